@@ -1,0 +1,140 @@
+"""snapspec.export: Hugging Face checkpoint folder -> exported folder (ONNX graphs + manifest + tokenizer).
+
+    from snapspec.export import export
+    export("Qwen3.5-0.8B", "out/qwen35", dtype="float32", quant="none")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+
+import snapspec
+from snapspec import SnapspecError, manifest
+
+from . import arch
+from .blocks import Decoder
+from .checkpoint import Checkpoint
+from .graph import Graph
+from .weights import Weights
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+DEFAULT_WINDOW = 8
+
+
+def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int = 32,
+           rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
+           log=print) -> manifest.Manifest:
+    """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
+
+    dtype: float32 | float16 (activations and weights; recurrent state stays float32).
+    quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table stays in `dtype`,
+           the output projection is quantized even when tied).
+    rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
+    max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
+    """
+    start = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    dtype = {"fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
+    if dtype not in ("float32", "float16"):
+        raise SnapspecError(f"unsupported dtype {dtype!r}: use fp32 or fp16")
+    if quant not in ("none", "int4"):
+        raise SnapspecError(f"unsupported quantization {quant!r}: use none or int4")
+    if block_size not in (16, 32, 64, 128, 256):
+        raise SnapspecError(f"unsupported block size {block_size}: use 32, 64 or 128")
+    if rollback_window < 1:
+        raise SnapspecError("rollback window must be at least 1")
+    if out_dir.exists() and not force:
+        raise SnapspecError(f"{out_dir} already exists; pass --force to replace it")
+    if not (hf_dir / "tokenizer.json").exists():
+        raise SnapspecError(f"{hf_dir} has no tokenizer.json; snapspec needs the fast tokenizer file")
+
+    ckpt = Checkpoint(hf_dir)
+    module = arch.for_config(ckpt.config)
+    spec = module.spec(ckpt.config)
+    ctx = int(max_context or min(spec.max_positions, 32768))
+    weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
+    dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"))
+    log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
+        f"as {dtype}, quant {quant}")
+    module.build(dec, weights, spec, ctx)
+    weights.check_covered()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        _save(dec.fwd.to_model(), tmp / "model.onnx")
+        has_replay = bool(dec.rollback)
+        if has_replay:
+            _save(dec.replay.to_model(), tmp / "replay.onnx")
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).exists():
+                shutil.copyfile(hf_dir / name, tmp / name)
+        shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
+        data = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay)
+        result = manifest.write(tmp, data)
+        os.chmod(tmp, 0o755)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s, peak memory {_peak_mb():.0f} MB")
+    return manifest.Manifest(out_dir, result.data)
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, window, ctx, has_replay) -> dict:
+    cfg = ckpt.config
+    gen = {}
+    gen_path = ckpt.folder / "generation_config.json"
+    if gen_path.exists():
+        import json
+        gen = json.loads(gen_path.read_text(encoding="utf-8"))
+    eos = gen.get("eos_token_id", cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id")))
+    eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
+    recurrent = any(s.role in ("conv", "recurrent") for s in dec.state)
+    graphs = {"forward": {"file": "model.onnx", "inputs": [i.name for i in dec.fwd.inputs],
+                          "outputs": [o.name for o in dec.fwd.outputs]}}
+    if has_replay:
+        graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
+                            "outputs": [o.name for o in dec.replay.outputs]}
+    return {
+        "model": {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures", []),
+                  "layers": spec.layers, "layer_kinds": spec.layer_kinds, "hidden_size": spec.hidden,
+                  "vocab_size": spec.vocab, "max_context": ctx,
+                  "mtp_weights_present": bool(getattr(module, "has_mtp", lambda c: False)(ckpt))},
+        "tokens": {"eos_token_ids": eos_ids, "bos_token_id": gen.get("bos_token_id", cfg.get("bos_token_id")),
+                   "pad_token_id": gen.get("pad_token_id", cfg.get("pad_token_id"))},
+        "graphs": graphs,
+        **dec.table(),
+        "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": window},
+        "export": {"dtype": dtype, "quant": quant, "block_size": block_size if quant == "int4" else None,
+                   "int4_note": "embedding table kept in dtype; output projection quantized" if quant == "int4"
+                   else None},
+        "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
+                     "python": sys.version.split()[0]},
+        "source": {"folder_name": ckpt.folder.name, "config_sha256": manifest.sha256_file(ckpt.folder / "config.json")},
+    }
+
+
+def _peak_mb() -> float:
+    try:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 1024 if sys.platform != "darwin" else peak / (1024 * 1024)
+    except ImportError:  # Windows
+        return float("nan")

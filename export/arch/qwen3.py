@@ -1,0 +1,2 @@
+"""placeholder until written"""
+MODEL_TYPES = ()

@@ -1,0 +1,128 @@
+"""Qwen3.5 text (`qwen3_5_text`, and the language model inside `qwen3_5` vision-language checkpoints).
+
+Unusual here: RMSNorm is x_norm * (1 + w) (folded into gamma at export, except the gated norm, used as is);
+q_proj is twice as wide and interleaves query and output gate per head (de-interleaved at export); interleaved
+M-RoPE reduces to 1-D partial rotate-half RoPE for text; the vision tower and the `mtp.*` head are skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..blocks import Decoder
+from ..checkpoint import Checkpoint
+from ..weights import Weights
+from .common import lm_head, residual_stack
+
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+
+
+@dataclass(frozen=True)
+class Spec:
+    hidden: int
+    layers: int
+    layer_types: tuple[str, ...]
+    intermediate: int
+    vocab: int
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    max_positions: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    kernel: int
+    tied: bool
+    prefix: str
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return ["attention" if t == "full_attention" else "gated_deltanet" for t in self.layer_types]
+
+
+def spec(config: dict) -> Spec:
+    prefix = "model."
+    if config.get("model_type") == "qwen3_5":
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings",
+                                                                              config["text_config"].get(
+                                                                                  "tie_word_embeddings", False))}
+        prefix = "model.language_model."
+    n = config["num_hidden_layers"]
+    interval = config.get("full_attention_interval", 4)
+    layer_types = config.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    rope = config.get("rope_parameters") or {}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    return Spec(
+        hidden=config["hidden_size"], layers=n, layer_types=tuple(layer_types),
+        intermediate=config["intermediate_size"], vocab=config["vocab_size"], eps=config.get("rms_norm_eps", 1e-6),
+        heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"], head_dim=head_dim,
+        rotary_dim=int(head_dim * partial), rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e7)),
+        max_positions=config.get("max_position_embeddings", 32768),
+        k_heads=config["linear_num_key_heads"], v_heads=config["linear_num_value_heads"],
+        k_dim=config["linear_key_head_dim"], v_dim=config["linear_value_head_dim"],
+        kernel=config.get("linear_conv_kernel_dim", 4), tied=bool(config.get("tie_word_embeddings", False)),
+        prefix=prefix)
+
+
+def ignored(s: Spec) -> tuple[str, ...]:
+    return (r"^model\.visual\.", r"^mtp\.", r"^model\.mtp\.")
+
+
+def has_mtp(ckpt: Checkpoint) -> bool:
+    return any(n.startswith(("mtp.", "model.mtp.")) for n in ckpt.names())
+
+
+def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
+    D, hd = s.hidden, s.head_dim
+    g = dec.fwd
+    dec.token_inputs()
+    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
+
+    def norm(name: str) -> np.ndarray:
+        return 1.0 + w.get(name, (D,))
+
+    def mixer(x: str, i: int) -> str:
+        p = f"layers.{i}."
+        if s.layer_types[i] == "full_attention":
+            with g.scope(f"model/layers.{i}/self_attn"):
+                qg = w.get(p + "self_attn.q_proj.weight", (2 * s.heads * hd, D)).reshape(s.heads, 2, hd, D)
+                return dec.attention(
+                    x, i, qg[:, 0].reshape(-1, D), w.get(p + "self_attn.k_proj.weight", (s.kv_heads * hd, D)),
+                    w.get(p + "self_attn.v_proj.weight", (s.kv_heads * hd, D)),
+                    w.get(p + "self_attn.o_proj.weight", (D, s.heads * hd)),
+                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
+                    q_norm=1.0 + w.get(p + "self_attn.q_norm.weight", (hd,)),
+                    k_norm=1.0 + w.get(p + "self_attn.k_norm.weight", (hd,)),
+                    gate_w=qg[:, 1].reshape(-1, D), rotary=rotary)
+        a = p + "linear_attn."
+        kd, vd = s.k_heads * s.k_dim, s.v_heads * s.v_dim
+        with g.scope(f"model/layers.{i}/linear_attn"):
+            return dec.gated_deltanet(
+                x, i, qkv_w=w.get(a + "in_proj_qkv.weight", (2 * kd + vd, D)),
+                z_w=w.get(a + "in_proj_z.weight", (vd, D)), b_w=w.get(a + "in_proj_b.weight", (s.v_heads, D)),
+                a_w=w.get(a + "in_proj_a.weight", (s.v_heads, D)),
+                conv_w=w.get(a + "conv1d.weight", (2 * kd + vd, 1, s.kernel)),
+                a_log=w.get(a + "A_log", (s.v_heads,)), dt_bias=w.get(a + "dt_bias", (s.v_heads,)),
+                norm_w=w.get(a + "norm.weight", (s.v_dim,)), out_w=w.get(a + "out_proj.weight", (D, vd)),
+                k_heads=s.k_heads, v_heads=s.v_heads, k_dim=s.k_dim, v_dim=s.v_dim, kernel=s.kernel, eps=s.eps)
+
+    def ffn(x: str, i: int) -> str:
+        p = f"layers.{i}.mlp."
+        with g.scope(f"model/layers.{i}"):
+            return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
+                              w.get(p + "up_proj.weight", (s.intermediate, D)),
+                              w.get(p + "down_proj.weight", (D, s.intermediate)))
+
+    x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
+                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer, ffn, norm("norm.weight"))
+    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))
+

@@ -1,0 +1,144 @@
+"""A small ONNX graph builder: deterministic names, typed initializers, int4 linears.
+
+Node and tensor names follow module paths (`/model/layers.3/linear_attn/conv`), so two exports diff like code.
+Weights arrive in Hugging Face layout (out_features, in_features) as float32 and are stored in the export dtype,
+or as MatMulNBits blobs when int4 quantization is on.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .quant import quantize_int4
+
+MS = "com.microsoft"
+OPSET = 21
+_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
+               np.dtype(np.uint8): TensorProto.UINT8}
+
+
+class Graph:
+    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32):
+        self.name = name
+        self.np_dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
+        self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
+        self.quant = quant
+        self.block_size = block_size
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._scope: list[str] = []
+        self._used: set[str] = set()
+
+    # -- naming -------------------------------------------------------------------------------------------------
+    @contextmanager
+    def scope(self, name: str):
+        self._scope.append(name)
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
+    def _unique(self, base: str) -> str:
+        name, i = base, 1
+        while name in self._used:
+            name, i = f"{base}_{i}", i + 1
+        self._used.add(name)
+        return name
+
+    def _path(self, leaf: str) -> str:
+        return "/" + "/".join(self._scope + [leaf])
+
+    # -- graph edges ----------------------------------------------------------------------------------------------
+    def input(self, name: str, elem: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        self._used.add(name)
+        return name
+
+    def output(self, value: str, name: str, elem: int, shape: list) -> str:
+        """Expose `value` as graph output `name` (an Identity renames it when the names differ)."""
+        if value != name:
+            self.nodes.append(helper.make_node("Identity", [value], [name], name=self._unique(f"/{name}/Identity")))
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    # -- nodes ----------------------------------------------------------------------------------------------------
+    def op(self, op_type: str, inputs: list[str], leaf: str | None = None, n_out: int = 1,
+           domain: str | None = None, outputs: list[str] | None = None, **attrs):
+        node_name = self._unique(self._path(leaf or op_type))
+        outs = outputs or [f"{node_name}/output_{i}" for i in range(n_out)]
+        for o in outs:
+            self._used.add(o)
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=node_name, domain=domain, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def const(self, leaf: str, value: np.ndarray, keep_dtype: bool = False) -> str:
+        """An initializer; float arrays take the export dtype unless keep_dtype."""
+        arr = np.asarray(value)
+        if arr.dtype.kind == "f" and not keep_dtype:
+            arr = arr.astype(self.np_dtype)
+        name = self._unique(self._path(leaf))
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def ints(self, leaf: str, values) -> str:
+        return self.const(leaf, np.asarray(values, dtype=np.int64))
+
+    def scalar(self, leaf: str, value: float) -> str:
+        return self.const(leaf, np.asarray(value, dtype=np.float32))
+
+    # -- building blocks used by every architecture ------------------------------------------------------------
+    def linear(self, x: str, weight: np.ndarray, leaf: str, bias: np.ndarray | None = None) -> str:
+        """x @ weight.T (+ bias); weight is (out_features, in_features)."""
+        n, k = weight.shape
+        with self.scope(leaf):
+            if self.quant == "int4" and k % self.block_size == 0 and k >= self.block_size:
+                packed, scales, zeros = quantize_int4(weight, self.block_size)
+                y = self.op("MatMulNBits", [x, self.const("weight_q4", packed), self.const("scales", scales),
+                                            self.const("zero_points", zeros)],
+                            "MatMulNBits", domain=MS, K=k, N=n, bits=4, block_size=self.block_size,
+                            accuracy_level=4)
+            else:
+                y = self.op("MatMul", [x, self.const("weight", np.ascontiguousarray(weight.T))], "MatMul")
+            if bias is not None:
+                y = self.op("Add", [y, self.const("bias", bias)], "Add")
+        return y
+
+    def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str) -> str:
+        """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w)."""
+        return self.op("SimplifiedLayerNormalization", [x, self.const(f"{leaf}/weight", gamma)], leaf,
+                       axis=-1, epsilon=eps, stash_type=1)
+
+    def skip_rms_norm(self, x: str, skip: str, gamma: np.ndarray, eps: float, leaf: str) -> tuple[str, str]:
+        """(rms_norm(x + skip), x + skip) in one fused op."""
+        out, _, _, total = self.op("SkipSimplifiedLayerNormalization", [x, skip, self.const(f"{leaf}/weight", gamma)],
+                                   leaf, n_out=4, domain=MS, epsilon=eps)
+        return out, total
+
+    def silu(self, x: str, leaf: str = "silu") -> str:
+        return self.op("Mul", [x, self.op("Sigmoid", [x], f"{leaf}/Sigmoid")], f"{leaf}/Mul")
+
+    def reshape(self, x: str, shape, leaf: str = "Reshape") -> str:
+        return self.op("Reshape", [x, self.ints(f"{leaf}/shape", shape)], leaf)
+
+    def split(self, x: str, sizes, axis: int, leaf: str = "Split") -> list[str]:
+        return self.op("Split", [x, self.ints(f"{leaf}/sizes", sizes)], leaf, n_out=len(sizes), axis=axis)
+
+    def cast_float(self, x: str, leaf: str = "Cast") -> str:
+        """Cast to the export float dtype (no-op node skipped for fp32)."""
+        if self.onnx_dtype == TensorProto.FLOAT:
+            return x
+        return self.op("Cast", [x], leaf, to=self.onnx_dtype)
+
+    def to_model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                                  producer_name="snapspec")
+        model.ir_version = 10
+        return model
