@@ -1,0 +1,242 @@
+"""A sequence's state store: KV buffers, recurrent state slots, and the rollback modes they allow.
+
+Buffers are allocated once, from the manifest's state table, for a given context size and window, and bound through
+IOBinding, so the KV cache and recurrent state never travel to the host between steps:
+
+  kv         one shared past/present buffer per attention layer; rollback = a shorter attention_mask (truncate)
+  recurrent  S slots of (conv, recurrent) state per linear layer. A forward reads slot `cur` and writes another
+             slot, so the state before the call survives it. Each slot knows the position its state belongs to.
+             ring:   S = W + 1 slots; one-token steps leave the state of each of the last W positions in a slot,
+                     and rollback picks a slot (no copy, no compute). Natural for the drafter.
+             replay: S = 2 slots; the forward also returns the per-token transition inputs of its tokens, and the
+                     replay graph advances the saved start state over an accepted prefix. Natural for the target.
+  checkpoint a full copy of the current slot, restored in place (bound addresses stay valid); the fallback.
+
+Model code knows nothing of this; the speculative loop asks `can_rollback` and refuses loudly when it cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from snapspec import SnapspecError
+
+from .model import Model
+
+_RECURRENT = ("conv", "recurrent")
+
+
+class RollbackError(SnapspecError):
+    pass
+
+
+@dataclass
+class _Forward:
+    """What the last forward call left behind for a replay."""
+
+    start: int  # position before the call
+    length: int  # tokens it consumed that are still accepted
+    in_slot: int
+    out_slot: int
+    data: dict  # rollback output name -> OrtValue [B, T, ...]
+
+
+class Context:
+    def __init__(self, model: Model, max_len: int | None = None, *, mode: str = "replay", window: int | None = None,
+                 poison: bool = False):
+        """mode: replay | ring for the recurrent state (ignored by pure-attention models); window: W."""
+        self.model = model
+        m = model.manifest
+        self.max_len = int(max_len or m.max_context)
+        if self.max_len > m.max_context:
+            raise SnapspecError(f"context {self.max_len} exceeds the export's max_context {m.max_context}")
+        self.window = int(window or m.rollback["window"])
+        if mode not in ("replay", "ring"):
+            raise SnapspecError(f"unknown recurrent rollback mode {mode!r}")
+        if mode == "replay" and model.replay is None and model.has_recurrent:
+            raise SnapspecError(f"{m.folder} has no replay graph; use ring or checkpoint rollback")
+        self.mode = mode if model.has_recurrent else "truncate"
+        self.poison = poison
+        self.device = model.device
+        self.kv = {s["name"]: self._alloc(s, fill=np.nan if poison else 0.0)
+                   for s in m.state if s["role"].startswith("kv")}
+        self.kv_out = {s["output"]: s["name"] for s in m.state if s["role"].startswith("kv")}
+        self.rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
+        n_slots = (self.window + 1 if mode == "ring" else 2) if self.rec_specs else 0
+        self.slots = [{s["name"]: self._alloc(s, fill=np.nan if poison else 0.0) for s in self.rec_specs}
+                      for _ in range(n_slots)]
+        self.slot_pos: list[int | None] = [None] * n_slots
+        self._checkpoint: tuple[int, dict] | None = None
+        self.binding = model.session.io_binding()
+        self.rollback_names = [r["name"] for r in m.rollback_data]
+        self.reset()
+
+    # -- allocation ---------------------------------------------------------------------------------------------
+    def _shape(self, spec: dict) -> list[int]:
+        return [1 if d == "batch" else self.max_len if d == "context" else int(d) for d in spec["shape"]]
+
+    def _alloc(self, spec: dict, fill: float) -> ort.OrtValue:
+        dtype = np.float32 if spec["dtype"] == "float32" else np.float16
+        host = np.full(self._shape(spec), fill, dtype=dtype)
+        return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
+
+    def state_bytes(self) -> int:
+        return sum(v.numpy().nbytes if self.device == "cpu" else int(np.prod(v.shape())) * 4
+                   for v in list(self.kv.values()) + [v for s in self.slots for v in s.values()])
+
+    # -- position bookkeeping --------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the sequence: position 0, zero recurrent state in slot 0."""
+        self.n_past = 0
+        self._last: _Forward | None = None
+        self._checkpoint = None
+        if self.slots:
+            for spec in self.rec_specs:
+                self._write(self.slots[0][spec["name"]], 0.0)
+            self.slot_pos = [0] + [None] * (len(self.slots) - 1)
+            self.cur = 0
+
+    def _write(self, value: ort.OrtValue, fill: float) -> None:
+        host = np.full(value.shape(), fill, dtype=np.float32 if value.data_type() == "tensor(float)" else np.float16)
+        value.update_inplace(host)
+
+    # -- forward ----------------------------------------------------------------------------------------------------
+    def forward(self, tokens, all_logits: bool = True) -> np.ndarray:
+        """Consume tokens; return their logits rows [T, vocab] (float32, host)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+        t = tokens.shape[1]
+        if t == 0:
+            raise SnapspecError("forward of zero tokens")
+        if self.n_past + t > self.max_len:
+            raise SnapspecError(f"context full: {self.n_past} + {t} tokens exceed the context of {self.max_len}")
+        b = self.binding
+        b.bind_cpu_input("input_ids", tokens)
+        b.bind_cpu_input("position_ids", np.arange(self.n_past, self.n_past + t, dtype=np.int64)[None])
+        b.bind_cpu_input("attention_mask", np.ones((1, self.n_past + t), dtype=np.int64))
+        # get_outputs() follows the order of the first binding of each name; always bind in this order.
+        order = []
+        for past, value in self.kv.items():
+            b.bind_ortvalue_input(past, value)
+        for present, past in self.kv_out.items():
+            b.bind_ortvalue_output(present, self.kv[past])
+            order.append(present)
+        out_slot = None
+        if self.slots:
+            out_slot = self._next_slot()
+            for spec in self.rec_specs:
+                b.bind_ortvalue_input(spec["name"], self.slots[self.cur][spec["name"]])
+                b.bind_ortvalue_output(spec["output"], self.slots[out_slot][spec["name"]])
+                order.append(spec["output"])
+        b.bind_output("logits", self.device)
+        order.append("logits")
+        for name in self.rollback_names:
+            b.bind_output(name, self.device)
+            order.append(name)
+        self.model.session.run_with_iobinding(b)
+        outs = dict(zip(order, b.get_outputs()))
+        logits = outs["logits"].numpy()[0]
+        if self.slots:
+            if self.mode == "replay":
+                self._last = _Forward(self.n_past, t, self.cur, out_slot, {n: outs[n] for n in self.rollback_names})
+            self.slot_pos[out_slot] = self.n_past + t
+            self.cur = out_slot
+        self.n_past += t
+        return logits
+
+    def _next_slot(self) -> int:
+        """Ring: the slot after cur (overwrites the oldest). Replay: the other slot."""
+        return (self.cur + 1) % len(self.slots)
+
+    # -- rollback -----------------------------------------------------------------------------------------------------
+    def can_rollback(self, n: int) -> str | None:
+        """The mode that can undo the last n tokens, or None (the caller then needs checkpoint/restore)."""
+        pos = self.n_past - n
+        if n < 0 or pos < 0:
+            return None
+        if n == 0:
+            return "none"
+        if not self.slots:
+            return "truncate"
+        if pos in self.slot_pos:
+            return "ring" if self.mode == "ring" else "replay"
+        last = self._last
+        if last is not None and last.start <= pos < last.start + last.length and self.slot_pos[last.in_slot] == last.start:
+            return "replay"
+        return None
+
+    def rollback(self, pos: int) -> str:
+        """Return to position pos (keep the first pos tokens). Returns the mode used."""
+        mode = self.can_rollback(self.n_past - pos)
+        if mode is None:
+            raise RollbackError(f"cannot roll back from {self.n_past} to {pos}: beyond the rollback window "
+                                f"(mode {self.mode}, window {self.window}); use checkpoint()/restore()")
+        if pos in self.slot_pos:
+            self.cur = self.slot_pos.index(pos)
+        elif mode == "replay":
+            self._replay(pos)
+        self.n_past = pos
+        self._invalidate_after(pos)
+        return mode
+
+    def _replay(self, pos: int) -> None:
+        last = self._last
+        j = pos - last.start
+        b = self.model.replay.io_binding()
+        for spec in self.rec_specs:
+            b.bind_ortvalue_input(spec["name"], self.slots[last.in_slot][spec["name"]])
+            b.bind_ortvalue_output(spec["output"], self.slots[last.out_slot][spec["name"]])
+        for name, value in last.data.items():
+            _bind_prefix(b, name, value, j, self.device)
+        self.model.replay.run_with_iobinding(b)
+        self.slot_pos[last.out_slot] = pos
+        self.cur = last.out_slot
+
+    def _invalidate_after(self, pos: int) -> None:
+        for i, p in enumerate(self.slot_pos):
+            if p is not None and p > pos:
+                self.slot_pos[i] = None
+        if self._last is not None:
+            self._last.length = min(self._last.length, pos - self._last.start)
+            if self._last.length <= 0 or self.slot_pos[self._last.in_slot] != self._last.start:
+                self._last = None
+
+    # -- checkpoint ----------------------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Copy the current recurrent state aside (KV needs no copy: truncation restores it)."""
+        copies = {}
+        if self.slots:
+            for spec in self.rec_specs:
+                copies[spec["name"]] = self.slots[self.cur][spec["name"]].numpy().copy()
+        self._checkpoint = (self.n_past, copies)
+
+    def restore(self) -> None:
+        if self._checkpoint is None:
+            raise SnapspecError("restore() without checkpoint()")
+        pos, copies = self._checkpoint
+        if self.slots:
+            for name, host in copies.items():
+                self.slots[self.cur][name].update_inplace(host)
+            self.slot_pos = [None] * len(self.slots)
+            self.slot_pos[self.cur] = pos
+        self.n_past = pos
+        self._last = None
+
+    # -- inspection (tests, conformance) ------------------------------------------------------------------------
+    def state_snapshot(self) -> dict[str, np.ndarray]:
+        """Host copies of the live state: KV rows [:n_past] and the current recurrent slot."""
+        out = {}
+        for name, value in self.kv.items():
+            out[name] = value.numpy()[:, :, : self.n_past].copy()
+        for spec in self.rec_specs:
+            out[spec["name"]] = self.slots[self.cur][spec["name"]].numpy().copy()
+        return out
+
+
+def _bind_prefix(binding: ort.IOBinding, name: str, value: ort.OrtValue, j: int, device: str) -> None:
+    """Bind the first j tokens of a [1, T, ...] tensor without a copy (a prefix of a batch-1 buffer is contiguous)."""
+    shape = value.shape()
+    dtype = np.float32 if value.data_type() == "tensor(float)" else np.float16
+    binding.bind_input(name, device, 0, dtype, [shape[0], j] + list(shape[2:]), value.data_ptr())

@@ -1,0 +1,126 @@
+"""Load an exported folder: verify the manifest, open ONNX Runtime sessions on the requested provider, say which
+providers actually run the graph. Loading never executes code from the folder: JSON, ONNX and tokenizer.json only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from snapspec import SnapspecError, manifest
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "webgpu": "WebGpuExecutionProvider",
+    "dml": "DmlExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+}
+# Where a provider keeps the OrtValues the runtime binds (KV cache, recurrent state).
+_DEVICE = {"cuda": "cuda", "dml": "cpu", "coreml": "cpu", "cpu": "cpu", "webgpu": "cpu"}
+_NP = {"float32": np.float32, "float16": np.float16}
+
+log = logging.getLogger("snapspec")
+
+
+def resolve_provider(ep: str, allow_fallback: bool = False) -> tuple[str, list[str]]:
+    """Return (ep actually used, onnxruntime provider list). A missing provider is an error unless allowed."""
+    if ep not in PROVIDERS:
+        raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
+    available = ort.get_available_providers()
+    name = PROVIDERS[ep]
+    if name not in available:
+        have = ", ".join(k for k, v in PROVIDERS.items() if v in available)
+        if not allow_fallback:
+            raise SnapspecError(f"execution provider {ep} is not installed in this onnxruntime "
+                                f"(available: {have}); install the matching extra, or pass --allow-fallback")
+        log.warning("execution provider %s is not installed (available: %s); continuing on cpu as asked", ep, have)
+        return "cpu", ["CPUExecutionProvider"]
+    return ep, [name] + (["CPUExecutionProvider"] if name != "CPUExecutionProvider" else [])
+
+
+@dataclass
+class Model:
+    """An exported folder opened on one execution provider."""
+
+    manifest: manifest.Manifest
+    ep: str
+    session: ort.InferenceSession
+    replay: ort.InferenceSession | None
+    tokenizer: object
+    threads: int | None = None
+    requested_ep: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def folder(self) -> Path:
+        return self.manifest.folder
+
+    @property
+    def device(self) -> str:
+        return _DEVICE[self.ep]
+
+    @property
+    def float_dtype(self):
+        return _NP[self.manifest.data["export"]["dtype"]]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest.model["vocab_size"])
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(self.manifest.tokens.get("eos_token_ids") or [])
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(s["role"] in ("conv", "recurrent") for s in self.manifest.state)
+
+    def providers_used(self) -> list[str]:
+        return self.session.get_providers()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int | None = None,
+         verify: bool = True) -> Model:
+    m = manifest.load(folder, verify=verify)
+    used_ep, providers = resolve_provider(ep, allow_fallback)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    session = _session(m.graph_path("forward"), opts, providers)
+    replay_path = m.graph_path("replay")
+    replay = _session(replay_path, opts, providers) if replay_path is not None else None
+    tok_path = m.folder / "tokenizer.json"
+    if not tok_path.exists():
+        raise SnapspecError(f"{m.folder} has no tokenizer.json")
+    from tokenizers import Tokenizer
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
+        raise SnapspecError(f"cannot read {tok_path}: {exc}") from None
+    model = Model(m, used_ep, session, replay, tokenizer, threads, requested_ep=ep)
+    if used_ep != ep:
+        model.notes.append(f"requested {ep}, running on {used_ep} (--allow-fallback)")
+    return model
+
+
+def _session(path: Path, opts: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(str(path), opts, providers=providers)
+    except Exception as exc:  # onnxruntime raises its own exception types for corrupt or truncated graphs
+        msg = str(exc).splitlines()[0][:300]
+        raise SnapspecError(f"onnxruntime cannot load {path.name} from {path.parent}: {msg}") from None
