@@ -19,6 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from .graph import MS, Graph
+from .quant import quantize_int4
 
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -76,7 +77,7 @@ class Decoder:
     # -- attention -----------------------------------------------------------------------------------------------
     def attention(self, x: str, layer: int, q_w, k_w, v_w, o_w, *, heads: int, kv_heads: int, head_dim: int,
                   q_norm=None, k_norm=None, eps: float = 1e-6, gate_w=None, rotary=None,
-                  q_bias=None, k_bias=None, v_bias=None) -> str:
+                  q_bias=None, k_bias=None, v_bias=None, o_bias=None) -> str:
         """Causal attention on a shared KV buffer; optional per-head q/k RMSNorm, partial RoPE and output gate.
 
         gate_w, when given, is the (heads*head_dim, hidden) projection of the Qwen3.5 output gate.
@@ -117,7 +118,7 @@ class Decoder:
                                          self.dtype_name))
         if gate_w is not None:
             out = g.op("Mul", [out, g.op("Sigmoid", [parts[3]], "gate_sigmoid")], "gate_mul")
-        return g.linear(out, o_w, "o_proj")
+        return g.linear(out, o_w, "o_proj", bias=o_bias)
 
     def rotary_cache(self, rotary_dim: int, theta: float, max_positions: int) -> tuple[str, str, int]:
         inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
@@ -258,6 +259,42 @@ class Decoder:
             gate, up = g.split(gu, [gate_w.shape[0], up_w.shape[0]], axis=-1)
             return g.linear(g.op("Mul", [g.silu(gate, "act"), up], "Mul"), down_w, "down_proj")
 
+    def moe(self, x: str, *, router_w, gate_w, up_w, down_w, top_k: int, normalize: bool,
+            shared=None, shared_gate_w=None) -> str:
+        """Sparse mixture of SwiGLU experts (com.microsoft MoE, or QMoE under int4), plus an optional shared expert.
+
+        router_w (E, D); gate_w, up_w (E, I, D); down_w (E, D, I). The op takes router logits, applies softmax over
+        all experts, keeps the top_k and renormalises them when `normalize`. The CPU kernel accepts only the
+        interleaved gate/up layout (swiglu_fusion=1). shared = (gate, up, down) of a dense SwiGLU whose output is
+        scaled by sigmoid(x @ shared_gate_w.T), as in Qwen2-MoE / Qwen3-Next. The router stays unquantized: a
+        quantized router flips expert choices.
+        """
+        g = self.fwd
+        n_exp, inter, hidden = gate_w.shape
+        fc1 = np.stack([gate_w, up_w], axis=2).reshape(n_exp, 2 * inter, hidden)  # rows g0, u0, g1, u1, ...
+        logits = g.op("MatMul", [x, g.const("gate/weight", np.ascontiguousarray(router_w.T))], "gate/MatMul")
+        logits = g.reshape(logits, [-1, n_exp], "gate/flat")
+        attrs = dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(normalize),
+                     activation_alpha=1.0, activation_beta=0.0)
+        bs = g.block_size
+        if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0:
+            w1, s1, z1 = _quantize_experts(fc1, bs)
+            w2, s2, z2 = _quantize_experts(down_w, bs)
+            names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
+                                                 ("experts/fc2_q4", w2), ("experts/fc2_scales", s2),
+                                                 ("experts/fc1_zero_points", z1), ("experts/fc2_zero_points", z2))]
+            y = g.op("QMoE", [x, logits, names[0], names[1], "", names[2], names[3], "",
+                              "", "", "", names[4], names[5]], "experts/QMoE", domain=MS, expert_weight_bits=4,
+                     block_size=bs, weights_prepacked=0, **attrs)
+        else:
+            y = g.op("MoE", [x, logits, g.const("experts/fc1", fc1), "", g.const("experts/fc2", down_w), ""],
+                     "experts/MoE", domain=MS, **attrs)
+        if shared is not None:
+            s = self.swiglu(x, *shared, leaf="shared_expert")
+            gate = g.op("Sigmoid", [g.linear(x, shared_gate_w, "shared_expert_gate")], "shared_expert_gate/Sigmoid")
+            y = g.op("Add", [y, g.op("Mul", [s, gate], "shared_expert/scale")], "Add")
+        return y
+
     # -- head -------------------------------------------------------------------------------------------------------
     def embed(self, table: np.ndarray) -> str:
         with self.fwd.scope("model/embed_tokens"):
@@ -273,3 +310,11 @@ class Decoder:
 
     def table(self) -> dict:
         return {"state": [asdict(s) for s in self.state], "rollback_data": [asdict(r) for r in self.rollback]}
+
+
+def _quantize_experts(w: np.ndarray, block_size: int):
+    """Per-expert MatMulNBits blobs stacked for QMoE: weights (E, N, K/2), scales (E, N, K/bs), zero points."""
+    parts = [quantize_int4(e, block_size) for e in w]
+    n = w.shape[1]
+    return (np.stack([p.reshape(n, -1) for p, _, _ in parts]), np.stack([s.reshape(n, -1) for _, s, _ in parts]),
+            np.stack([z.reshape(n, -1) for _, _, z in parts]))

@@ -46,7 +46,7 @@ Method
 
 Usage::
 
-    python3 tools/train_demo_pair.py --out /tmp/demo --device cuda --steps 3000
+    python3 tools/train_demo_pair.py --out /tmp/demo --device cuda --steps 1500
 
 Everything is seeded (``--seed``); the result depends on the interpreter's
 stdlib version (the shipped pair was built on Python 3.12).
@@ -248,8 +248,10 @@ def evaluate(models, windows, device, amp, bs=32):
     return [t / cnt for t in tot], (agree / cnt if len(models) == 2 else None)
 
 
-def train(model, stream, steps, device, amp, peak_lr, bs, seed, teacher=None, heldout=None,
-          tag=""):
+def train(model, stream, steps, device, amp, peak_lr, bs, seed, teacher=None, val=None,
+          heldout=None, tag=""):
+    """Train in place; at the end restore the weights with the best loss on `val` (a split
+    of the training files, not the held-out packages), checked every steps // 10 steps."""
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
@@ -262,6 +264,7 @@ def train(model, stream, steps, device, amp, peak_lr, bs, seed, teacher=None, he
     warmup = max(1, min(200, steps // 10))
     t0 = time.time()
     every = max(1, steps // 10)
+    best = (float("inf"), -1, None)
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, peak_lr, warmup)
@@ -286,10 +289,18 @@ def train(model, stream, steps, device, amp, peak_lr, bs, seed, teacher=None, he
         if step % every == 0 or step == steps - 1:
             msg = f"[{tag}] step {step:5d}/{steps} loss {loss.item():.4f} ce {ce.item():.4f} " \
                   f"lr {opt.param_groups[0]['lr']:.2e} {time.time() - t0:.1f}s"
-            if heldout is not None and (step % (every * 2) == 0 or step == steps - 1):
+            if val is not None and step > 0:
+                (vl,), _ = evaluate([model], val, device, amp)
+                msg += f" val {vl:.4f}"
+                if vl < best[0]:
+                    best = (vl, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            if heldout is not None:
                 (hl,), _ = evaluate([model], heldout[:64], device, amp)
                 msg += f" heldout {hl:.4f}"
             log(msg)
+    if best[2] is not None:
+        model.load_state_dict(best[2])
+        log(f"[{tag}] restored best val checkpoint: step {best[1]} val {best[0]:.4f}")
     model.eval()
     return model
 
@@ -358,9 +369,9 @@ def main():
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=["cuda", "cpu"])
-    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps for each model")
+    ap.add_argument("--steps", type=int, default=1500, help="optimizer steps for each model")
     ap.add_argument("--drafter-steps", type=int, default=None, help="default: --steps")
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr-target", type=float, default=2e-3)
     ap.add_argument("--lr-drafter", type=float, default=3e-3)
     ap.add_argument("--eval-windows", type=int, default=512)
@@ -387,6 +398,10 @@ def main():
         f"held-out tokens {held_stream.numel()}, "
         f"chars/token {sum(len(t) for _, t in train_files)/train_stream.numel():.2f}")
     heldout = eval_windows(held_stream, args.eval_windows)
+    # validation split for checkpoint selection: the tail of the (sorted) training files
+    nval = 128 * (SEQ + 1)
+    val = eval_windows(train_stream[-nval:], 128)
+    train_stream = train_stream[:-nval]
 
     seed_all(args.seed)
     target = build(TARGET_CFG)
@@ -396,13 +411,13 @@ def main():
 
     t0 = time.time()
     train(target, train_stream, args.steps, device, amp, args.lr_target, args.batch,
-          args.seed + 10, heldout=heldout, tag="target")
+          args.seed + 10, val=val, heldout=heldout, tag="target")
     log(f"target trained in {time.time()-t0:.1f}s")
     for p in target.parameters():
         p.requires_grad_(False)
     t0 = time.time()
     train(drafter, train_stream, args.drafter_steps or args.steps, device, amp, args.lr_drafter,
-          args.batch, args.seed + 20, teacher=target, heldout=heldout, tag="drafter")
+          args.batch, args.seed + 20, teacher=target, val=val, heldout=heldout, tag="drafter")
     log(f"drafter trained in {time.time()-t0:.1f}s")
 
     # evaluate the bf16 weights that actually ship

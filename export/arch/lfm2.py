@@ -1,2 +1,114 @@
-"""placeholder until written"""
-MODEL_TYPES = ()
+"""LFM2 (`lfm2`): gated short convolutions plus grouped-query attention.
+
+Unusual here: `embedding_norm` is, despite its name, the FINAL norm (applied after the last layer, before the
+head); nothing normalises the embeddings. The MLP width is not `intermediate_size` but derived from it the way
+transformers does (block_auto_adjust_ff_dim: 2/3 of it, times block_ffn_dim_multiplier, rounded up to
+block_multiple_of; the rounding only happens when the multiplier is set). Older configs spell some keys
+differently (`block_ff_dim`, `tie_embedding`, `full_attn_idxs`). Norms use a plain weight; RoPE is full.
+The conv state is the last conv_L_cache - 1 values of B * x.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..blocks import Decoder
+from ..weights import Weights
+from .common import lm_head, residual_stack
+from .qwen3 import rope_parameters
+
+MODEL_TYPES = ("lfm2",)
+
+
+@dataclass(frozen=True)
+class Spec:
+    hidden: int
+    layers: int
+    layer_types: tuple[str, ...]
+    intermediate: int
+    vocab: int
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    max_positions: int
+    kernel: int
+    conv_bias: bool
+    prefix: str = "model."
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return ["attention" if t == "full_attention" else "short_conv" for t in self.layer_types]
+
+
+def ffn_width(config: dict) -> int:
+    width = config.get("block_ff_dim", config["intermediate_size"])
+    if config.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = config.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = config.get("block_multiple_of", 256)
+            width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
+    return width
+
+
+def spec(config: dict) -> Spec:
+    n = config["num_hidden_layers"]
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        full = config.get("full_attn_idxs")
+        full = range(n) if full is None else full
+        layer_types = ["full_attention" if i in full else "conv" for i in range(n)]
+    heads = config["num_attention_heads"]
+    return Spec(
+        hidden=config["hidden_size"], layers=n, layer_types=tuple(layer_types), intermediate=ffn_width(config),
+        vocab=config["vocab_size"], eps=config.get("norm_eps", 1e-5), heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rope_theta=float(rope_parameters(config, 1e6)["rope_theta"]),
+        max_positions=config.get("max_position_embeddings", 128000), kernel=config.get("conv_L_cache", 3),
+        conv_bias=bool(config.get("conv_bias", False)))
+
+
+def ignored(s: Spec) -> tuple[str, ...]:
+    return ()
+
+
+def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
+    D, hd = s.hidden, s.head_dim
+    g = dec.fwd
+    dec.token_inputs()
+    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    rotary = dec.rotary_cache(hd, s.rope_theta, max_context)
+
+    def mixer(x: str, i: int) -> str:
+        if s.layer_types[i] == "full_attention":
+            a = f"layers.{i}.self_attn."
+            q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
+            with g.scope(f"model/layers.{i}/self_attn"):
+                return dec.attention(
+                    x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
+                    w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "out_proj.weight", (D, q_rows)),
+                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
+                    q_norm=w.get(a + "q_layernorm.weight", (hd,)), k_norm=w.get(a + "k_layernorm.weight", (hd,)),
+                    rotary=rotary)
+        c = f"layers.{i}.conv."
+        bias = (lambda name, n: w.get(c + name, (n,))) if s.conv_bias else (lambda name, n: None)
+        with g.scope(f"model/layers.{i}/conv"):
+            return dec.short_conv(x, i, in_w=w.get(c + "in_proj.weight", (3 * D, D)),
+                                  conv_w=w.get(c + "conv.weight", (D, 1, s.kernel)),
+                                  out_w=w.get(c + "out_proj.weight", (D, D)), hidden=D, kernel=s.kernel,
+                                  in_b=bias("in_proj.bias", 3 * D), conv_b=bias("conv.bias", D),
+                                  out_b=bias("out_proj.bias", D))
+
+    def ffn(x: str, i: int) -> str:
+        p = f"layers.{i}.feed_forward."
+        with g.scope(f"model/layers.{i}"):
+            return dec.swiglu(x, w.get(p + "w1.weight", (s.intermediate, D)), w.get(p + "w3.weight", (s.intermediate, D)),
+                              w.get(p + "w2.weight", (D, s.intermediate)), leaf="feed_forward")
+
+    x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.operator_norm.weight", (D,)),
+                       lambda i: w.get(f"layers.{i}.ffn_norm.weight", (D,)), mixer, ffn,
+                       w.get("embedding_norm.weight", (D,)))
+    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))

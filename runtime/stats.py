@@ -1,0 +1,57 @@
+"""Counters and timers of one generation. Acceptance counts every round, partial and checkpoint rounds included."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    rollbacks: Counter = field(default_factory=Counter)  # "target:replay", "drafter:ring", "checkpoint", ...
+    draft_lengths: Counter = field(default_factory=Counter)
+    seconds: Counter = field(default_factory=Counter)  # prefill, decode, draft, verify, rollback, sampling
+
+    @contextmanager
+    def timed(self, what: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[what] += time.perf_counter() - t
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        return self.accepted / self.rounds if self.rounds else None
+
+    @property
+    def mean_emitted(self) -> float | None:
+        return self.emitted / self.rounds if self.rounds else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        t = self.seconds.get("decode", 0.0)
+        return (self.new_tokens - 1) / t if t > 0 and self.new_tokens > 1 else None
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["rollbacks"] = dict(self.rollbacks)
+        d["draft_lengths"] = {str(k): v for k, v in sorted(self.draft_lengths.items())}
+        d["seconds"] = {k: round(v, 6) for k, v in self.seconds.items()}
+        d.update(acceptance=self.acceptance, mean_accepted=self.mean_accepted, mean_emitted=self.mean_emitted,
+                 decode_tokens_per_s=self.decode_tokens_per_s)
+        return d

@@ -1,0 +1,126 @@
+"""Tiny random Hugging Face checkpoints, one per supported architecture, for parity tests.
+
+Every axis gets its own size (hidden != heads * head_dim, Dk != Dv, key heads != value heads, kv heads != heads,
+vocab != anything else) and every layer kind of the architecture is present, so a transposed or mis-split tensor
+fails instead of passing by symmetry. Weights are drawn with a large initializer range and every norm weight is
+perturbed away from its initial 0 or 1, so greedy output is not one token repeated and a `w` vs `1 + w` mix-up
+shows. Checkpoints are saved in bf16, as real ones are; `load_hf` reads them back in float32, so the oracle and
+the exporter see the same bf16-rounded values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS = "<|endoftext|>"
+VOCAB = 384
+
+_TEXT = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm afternoon sun.",
+    "def forward(self, x):\n    return self.proj(torch.relu(x)) + x\n",
+    "Speculative decoding drafts a few tokens with a small model and verifies them with the large one.",
+    "A recurrent state only moves forward; an attention cache can be truncated to any position for free.",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(i, i * i)\n",
+    "Rolling back the state of a hybrid model means replaying the accepted tokens from a saved point.",
+    "import numpy as np\nx = np.zeros((4, 8), dtype=np.float32)\ny = x.sum(axis=-1)\n",
+]
+
+# One row per model_type: (config class, model class, config kwargs). Every list of layer kinds holds each kind.
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
+            linear_conv_kernel_dim=4)
+_QWEN35_TEXT = dict(hidden_size=80, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                     "mrope_interleaved": True, "mrope_section": [2, 1, 1]},
+                    tie_word_embeddings=True, **_GDN)
+SPECS = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _QWEN35_TEXT),
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", dict(
+        text_config=dict(_QWEN35_TEXT, tie_word_embeddings=False),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=80,
+                           num_position_embeddings=16),
+        tie_word_embeddings=False)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        hidden_size=96, intermediate_size=120, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True, tie_word_embeddings=False, **_GDN)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        hidden_size=64, intermediate_size=136, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
+        hidden_size=72, intermediate_size=200, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+        block_auto_adjust_ff_dim=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)),
+}
+MODEL_TYPES = tuple(SPECS)
+
+
+def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
+    """A byte-level BPE trained on a few sentences, padded with extra special tokens to exactly vocab_size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_TEXT, trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing < 0:
+        raise ValueError(f"tokenizer came out with {tok.get_vocab_size()} tokens, more than {vocab_size}")
+    tok.add_special_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    assert tok.get_vocab_size() == vocab_size and tok.token_to_id(EOS) == 0
+    return tok
+
+
+def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range: float = 0.2,
+              vocab_size: int = VOCAB, **overrides) -> Path:
+    """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`."""
+    config_cls, model_cls, kwargs = SPECS[model_type]
+    kwargs = {**kwargs, **overrides}
+    common = dict(vocab_size=vocab_size, initializer_range=initializer_range, eos_token_id=0, bos_token_id=0,
+                  pad_token_id=0, max_position_embeddings=512)
+    if model_type == "qwen3_5":
+        kwargs["text_config"] = {**kwargs["text_config"], **common}
+        kwargs["vision_config"] = {**kwargs["vision_config"], "initializer_range": initializer_range}
+    else:
+        kwargs.update(common)
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    _perturb_norms(model, seed)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(folder)
+    make_tokenizer(vocab_size).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS, "pad_token": EOS,
+         "model_max_length": 512}, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}, indent=2))
+    return folder
+
+
+def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
+    """Move every norm weight away from its initial constant so that 1 + w and w give different models."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and getattr(module, "weight", None) is not None:
+                module.weight.add_(torch.randn(module.weight.shape, generator=gen) * 0.2)
+
+
+def load_hf(folder: Path):
+    """The saved tiny (or real) checkpoint as a float32 transformers model in eval mode, eager attention."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration}.get(config.model_type,
+                                                                         transformers.AutoModelForCausalLM)
+    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
