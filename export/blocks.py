@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from onnx import TensorProto
 
+from snapspec import SnapspecError
+
 from .graph import MS, Graph
 from .quant import quantize_int4
 
@@ -85,6 +87,8 @@ class Decoder:
         """
         g = self.fwd
         hd = head_dim
+        if hd % 8:
+            raise SnapspecError(f"attention head_dim {hd} is not a multiple of 8, which GroupQueryAttention requires")
         ws = [q_w, k_w, v_w] + ([gate_w] if gate_w is not None else [])
         biases = None
         if q_bias is not None:

@@ -1,0 +1,16 @@
+"""snapspec.runtime: exported folder -> ONNX Runtime sessions, contexts with bounded rollback, generation.
+
+    from snapspec.runtime import load, generate
+    target, drafter = load("out/target"), load("out/drafter")
+    gen = generate(target, "def fib(n):", drafter=drafter, max_new_tokens=64, draft_max=4)
+    print(target.decode(gen.tokens), gen.stats.acceptance)
+"""
+
+from .context import Context, RollbackError
+from .generate import Generator, final_text, generate, stream_text
+from .model import PROVIDERS, Model, load
+from .sampling import SamplingParams
+from .stats import Stats
+
+__all__ = ["Context", "Generator", "Model", "PROVIDERS", "RollbackError", "SamplingParams", "Stats", "final_text",
+           "generate", "load", "stream_text"]

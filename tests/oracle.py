@@ -33,7 +33,8 @@ def assert_close(name: str, actual, expected, rtol: float) -> None:
     scale = float(np.abs(expected).max()) if expected.size else 0.0
     err = float(np.abs(actual - expected).max()) if expected.size else 0.0
     rel = err / scale if scale > 0 else err
-    assert rel <= rtol, f"{name}: max abs error {err:.3e}, relative to max |expected| {scale:.3e}: {rel:.3e} > {rtol:.1e}"
+    assert rel <= rtol, (f"{name}: max abs error {err:.3e}, relative to max |expected| {scale:.3e}: "
+                         f"{rel:.3e} > {rtol:.1e}")
 
 
 def _np_dtype(name: str):

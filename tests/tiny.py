@@ -57,7 +57,7 @@ SPECS = {
         hidden_size=64, intermediate_size=136, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)),
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(
-        hidden_size=72, intermediate_size=200, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+        hidden_size=96, intermediate_size=200, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
         block_auto_adjust_ff_dim=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)),

@@ -86,7 +86,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
         if s.layer_types[i] == "full_attention":
             a = f"layers.{i}.self_attn."
             q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-            with g.scope(f"model/layers.{i}/self_attn"):
+            with g.scope("self_attn"):
                 return dec.attention(
                     x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
                     w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "out_proj.weight", (D, q_rows)),
@@ -95,7 +95,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
                     rotary=rotary)
         c = f"layers.{i}.conv."
         bias = (lambda name, n: w.get(c + name, (n,))) if s.conv_bias else (lambda name, n: None)
-        with g.scope(f"model/layers.{i}/conv"):
+        with g.scope("conv"):
             return dec.short_conv(x, i, in_w=w.get(c + "in_proj.weight", (3 * D, D)),
                                   conv_w=w.get(c + "conv.weight", (D, 1, s.kernel)),
                                   out_w=w.get(c + "out_proj.weight", (D, D)), hidden=D, kernel=s.kernel,
@@ -104,9 +104,8 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
 
     def ffn(x: str, i: int) -> str:
         p = f"layers.{i}.feed_forward."
-        with g.scope(f"model/layers.{i}"):
-            return dec.swiglu(x, w.get(p + "w1.weight", (s.intermediate, D)), w.get(p + "w3.weight", (s.intermediate, D)),
-                              w.get(p + "w2.weight", (D, s.intermediate)), leaf="feed_forward")
+        return dec.swiglu(x, w.get(p + "w1.weight", (s.intermediate, D)), w.get(p + "w3.weight", (s.intermediate, D)),
+                          w.get(p + "w2.weight", (D, s.intermediate)), leaf="feed_forward")
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.operator_norm.weight", (D,)),
                        lambda i: w.get(f"layers.{i}.ffn_norm.weight", (D,)), mixer, ffn,

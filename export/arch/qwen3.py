@@ -83,7 +83,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
         if s.bias:
             biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
                           v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
-        with g.scope(f"model/layers.{i}/self_attn"):
+        with g.scope("self_attn"):
             return dec.attention(
                 x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
                 w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
@@ -93,10 +93,9 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
 
     def ffn(x: str, i: int) -> str:
         p = f"layers.{i}.mlp."
-        with g.scope(f"model/layers.{i}"):
-            return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                              w.get(p + "up_proj.weight", (s.intermediate, D)),
-                              w.get(p + "down_proj.weight", (D, s.intermediate)))
+        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
+                          w.get(p + "up_proj.weight", (s.intermediate, D)),
+                          w.get(p + "down_proj.weight", (D, s.intermediate)))
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.input_layernorm.weight", (D,)),
                        lambda i: w.get(f"layers.{i}.post_attention_layernorm.weight", (D,)), mixer, ffn,

@@ -1,0 +1,90 @@
+"""`snapspec info`: what an exported folder holds, read from its manifest alone (no session is created)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from snapspec import manifest
+
+_BYTES = {"float32": 4, "float16": 2}
+
+
+def _elems(shape: list, ctx: int) -> int:
+    return int(np.prod([1 if d == "batch" else ctx if d == "context" else int(d) for d in shape]))
+
+
+def describe(folder, ctx: int = 4096, window: int | None = None) -> dict:
+    m = manifest.load(folder, verify=False)
+    window = window or m.rollback["window"]
+    per_kind: dict[str, dict] = {}
+    for s in m.state:
+        kind = per_kind.setdefault(s["role"], {"layers": 0, "bytes_per_layer": 0, "shape": s["shape"],
+                                               "dtype": s["dtype"]})
+        kind["layers"] += 1
+        kind["bytes_per_layer"] = _elems(s["shape"], ctx) * _BYTES[s["dtype"]]
+    kv = sum(v["layers"] * v["bytes_per_layer"] for k, v in per_kind.items() if k.startswith("kv"))
+    rec = sum(v["layers"] * v["bytes_per_layer"] for k, v in per_kind.items() if k in ("conv", "recurrent"))
+    roles = {"inputs": {}, "outputs": {}}
+    state_in = {s["name"]: s["role"] for s in m.state}
+    state_out = {s["output"]: s["role"] for s in m.state}
+    rb = {r["name"]: "rollback data" for r in m.rollback_data}
+    for name in m.data["graphs"]["forward"]["inputs"]:
+        roles["inputs"].setdefault(state_in.get(name, name), []).append(name)
+    for name in m.data["graphs"]["forward"]["outputs"]:
+        roles["outputs"].setdefault(state_out.get(name, rb.get(name, name)), []).append(name)
+    return {
+        "folder": str(m.folder), "model_type": m.model["model_type"], "layers": m.model["layers"],
+        "layer_kinds": dict(Counter(m.model["layer_kinds"])), "vocab_size": m.model["vocab_size"],
+        "hidden_size": m.model["hidden_size"], "max_context": m.max_context, "export": m.data["export"],
+        "rollback": m.rollback, "mtp_weights_present": m.model.get("mtp_weights_present"),
+        "graph_io": {k: {r: len(v) for r, v in d.items()} for k, d in roles.items()},
+        "state": per_kind,
+        "memory": {"ctx": ctx, "window": window, "kv_bytes": kv, "recurrent_bytes_per_slot": rec,
+                   "target_bytes (replay: 2 slots)": kv + 2 * rec,
+                   "drafter_bytes (ring: window+1 slots)": kv + (window + 1) * rec},
+        "files": {k: v["bytes"] for k, v in m.data["files"].items()},
+    }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def render(info: dict) -> str:
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = StringIO()
+    con = Console(file=buf, width=110)
+    con.print(f"[bold]{info['folder']}[/]: {info['model_type']}, {info['layers']} layers "
+              f"({', '.join(f'{n} {k}' for k, n in info['layer_kinds'].items())}), vocab {info['vocab_size']}, "
+              f"hidden {info['hidden_size']}, max context {info['max_context']}")
+    e = info["export"]
+    con.print(f"dtype {e['dtype']}, quant {e['quant']}" + (f" (block {e['block_size']})" if e.get("block_size") else "")
+              + f"; rollback: kv {info['rollback']['kv']}, recurrent {info['rollback']['recurrent']}, "
+                f"window {info['rollback']['window']}; MTP weights in checkpoint: {info['mtp_weights_present']}")
+    t = Table(title="state per layer kind")
+    for col in ("role", "layers", "shape", "dtype", f"bytes/layer (ctx {info['memory']['ctx']})"):
+        t.add_column(col)
+    for role, s in info["state"].items():
+        t.add_row(role, str(s["layers"]), str(s["shape"]), s["dtype"], _mb(s["bytes_per_layer"]))
+    con.print(t)
+    io = Table(title="forward graph inputs and outputs by role")
+    io.add_column("side")
+    io.add_column("role")
+    io.add_column("count")
+    for side, d in info["graph_io"].items():
+        for role, n in d.items():
+            io.add_row(side, role, str(n))
+    con.print(io)
+    mem = info["memory"]
+    con.print(f"one context at ctx {mem['ctx']}, window {mem['window']}: KV {_mb(mem['kv_bytes'])}, recurrent "
+              f"{_mb(mem['recurrent_bytes_per_slot'])} per slot; as target (replay) "
+              f"{_mb(mem['target_bytes (replay: 2 slots)'])}, as drafter (ring) "
+              f"{_mb(mem['drafter_bytes (ring: window+1 slots)'])}")
+    con.print("files: " + ", ".join(f"{k} {_mb(v)}" for k, v in info["files"].items()))
+    return buf.getvalue().rstrip()
