@@ -16,6 +16,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
+from .adaptive import Costs, DraftLengthChooser, measure_costs
 from .context import Context
 from .model import Model
 from .sampling import SamplingParams, accept, check_finite, pick
@@ -36,7 +37,8 @@ class Generator:
     def __init__(self, target: Model, prompt_ids, *, drafter: Model | None = None, max_new_tokens: int = 128,
                  sampling: SamplingParams = SamplingParams(), draft_max: int = 4, rollback: str = "auto",
                  stop_strings=(), stop_at_eos: bool = True, context: int | None = None, window: int | None = None,
-                 target_ctx: Context | None = None, drafter_ctx: Context | None = None, poison: bool = False):
+                 target_ctx: Context | None = None, drafter_ctx: Context | None = None, poison: bool = False,
+                 costs: Costs | None = None):
         self.target, self.drafter = target, drafter
         self.prompt = [int(t) for t in prompt_ids]
         if not self.prompt:
@@ -78,8 +80,7 @@ class Generator:
             self.dctx.reset()
         self.chooser = None
         if draft_max == "auto":
-            from .adaptive import DraftLengthChooser
-            self.chooser = DraftLengthChooser(self.window)
+            self.chooser = DraftLengthChooser(self.window, costs)
 
     # -- shared helpers -------------------------------------------------------------------------------------------
     @property
@@ -125,6 +126,9 @@ class Generator:
         with self.stats.timed("sampling"):
             first, _ = pick(rows[-1], self.sampling, self.rng)
         out = self._emit([first])
+        if self.chooser is not None and self.chooser.costs is None and self.dctx is not None:
+            with self.stats.timed("calibration"):
+                self.chooser.costs = _cached_costs(self.tctx, self.dctx, self.window)
         if out:
             yield out
         while self.stop_reason is None:
@@ -255,3 +259,15 @@ def final_text(gen: Generator) -> str:
 def _stop_cut(text: str, stops) -> int | None:
     hits = [text.find(s) for s in stops if s in text]
     return min(hits) if hits else None
+
+
+_COSTS: dict = {}
+
+
+def _cached_costs(tctx: Context, dctx: Context, window: int) -> Costs:
+    """Measured once per (target, drafter, window) in this process: a few dozen forwards on the live contexts."""
+    key = (id(tctx.model.session), id(dctx.model.session), window)
+    if key not in _COSTS:
+        room = tctx.max_len - tctx.n_past - 1
+        _COSTS[key] = measure_costs(tctx, dctx, max(2, min(window + 1, room)), reps=3)
+    return _COSTS[key]
