@@ -64,6 +64,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
     module.build(dec, weights, spec, ctx)
+    dec.finish()
     weights.check_covered()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -40,11 +40,12 @@ class StateEntry:
 
 @dataclass
 class RollbackEntry:
-    name: str  # forward-graph output and replay-graph input
-    kind: str  # conv_input | decay | beta
+    """One slice of the packed `rollback_data` output [batch, sequence, width]: columns offset..offset+width."""
+
+    kind: str  # conv_input | key | value | decay | beta
     layer: int
-    shape: list
-    dtype: str
+    offset: int
+    width: int
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Decoder:
     replay: Graph
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
+    _rollback_values: list[str] = field(default_factory=list)
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def token_inputs(self):
@@ -142,12 +144,26 @@ class Decoder:
         return past, present
 
     def _rollback_out(self, g: Graph, value: str, layer: int, kind: str, width: int) -> str:
-        name = f"rollback.{layer}.{kind}"
+        """Record a per-token transition input; `finish` packs them all into one output (one bind per call)."""
+        offset = sum(r.width for r in self.rollback)
+        self.rollback.append(RollbackEntry(kind, layer, offset, width))
+        self._rollback_values.append(value)
+        return f"rollback.{layer}.{kind}"
+
+    def finish(self) -> None:
+        """Pack the rollback data: forward Concat -> `rollback_data`; replay `rollback_data` -> Split -> pieces."""
+        if not self.rollback:
+            return
+        width = sum(r.width for r in self.rollback)
         shape = ["batch", "sequence", width]
-        g.output(value, name, g.onnx_dtype, shape)
-        self.replay.input(name, self.replay.onnx_dtype, shape)
-        self.rollback.append(RollbackEntry(name, kind, layer, shape, self.dtype_name))
-        return name
+        g, r = self.fwd, self.replay
+        with g.scope("model/rollback_data"):
+            g.op("Concat", self._rollback_values, "Concat", outputs=["rollback_data"], axis=-1)
+        g.output("rollback_data", "rollback_data", g.onnx_dtype, shape)
+        r.input("rollback_data", r.onnx_dtype, shape)
+        with r.scope("model/rollback_data"):
+            r.op("Split", ["rollback_data", r.ints("sizes", [e.width for e in self.rollback])], "Split",
+                 outputs=[f"rollback.{e.layer}.{e.kind}" for e in self.rollback], axis=-1)
 
     def _causal_conv(self, g: Graph, x: str, weight_name: str, state: str, present: str, activation: str,
                      leaf: str = "conv") -> str:
@@ -159,7 +175,11 @@ class Decoder:
     # -- Gated DeltaNet --------------------------------------------------------------------------------------------
     def gated_deltanet(self, x: str, layer: int, *, qkv_w, z_w, b_w, a_w, conv_w, a_log, dt_bias, norm_w, out_w,
                        k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int, eps: float) -> str:
-        """Qwen3.5 / Qwen3-Next linear attention. qkv_w rows are [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]."""
+        """Qwen3.5 / Qwen3-Next linear attention. qkv_w rows are [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)].
+
+        Rollback data per token: the conv input (for the conv state), and the rule's own inputs k (normalised,
+        repeated to the value heads), v, decay and beta, so the replay graph is two ops per layer.
+        """
         g = self.fwd
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
         proj = g.linear(x, np.concatenate([qkv_w, z_w, b_w, a_w], axis=0), "in_proj")
@@ -168,20 +188,21 @@ class Decoder:
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
         conv_out = self._causal_conv(g, mixed, g.const("conv/weight", conv_weight), past_conv, present_conv, "silu")
         g.output(present_conv, present_conv, g.onnx_dtype, ["batch", kernel - 1, conv_dim])
-        self._rollback_out(g, mixed, layer, "conv_input", conv_dim)
 
         beta = g.op("Sigmoid", [b], "beta")
         decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
                              g.op("Softplus", [g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add")],
                                   "Softplus")], "decay")
-        self._rollback_out(g, decay, layer, "decay", v_heads)
-        self._rollback_out(g, beta, layer, "beta", v_heads)
+        q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim, eps)
+        for value, kind, width in ((mixed, "conv_input", conv_dim), (k, "key", v_heads * k_dim),
+                                   (v, "value", v_heads * v_dim), (decay, "decay", v_heads), (beta, "beta", v_heads)):
+            self._rollback_out(g, value, layer, kind, width)
 
         past_rec = g.input(f"past_recurrent_state.{layer}", F32, ["batch", v_heads, k_dim, v_dim])
         present_rec = f"present_recurrent_state.{layer}"
         self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, ["batch", v_heads, k_dim, v_dim],
                                      "float32"))
-        core = self._delta_rule(g, conv_out, decay, beta, past_rec, present_rec, k_heads, v_heads, k_dim, v_dim, eps)
+        core = self._gated_delta(g, q, k, v, decay, beta, past_rec, present_rec, v_heads, k_dim)
         g.output(present_rec, present_rec, F32, ["batch", v_heads, k_dim, v_dim])
 
         # Gated RMSNorm per value head, then the output projection.
@@ -189,43 +210,47 @@ class Decoder:
         zg = g.silu(g.reshape(z, [0, 0, v_heads, v_dim], "z_heads"), "z_silu")
         o = g.reshape(g.op("Mul", [o, zg], "gate"), [0, 0, v_heads * v_dim], "o_flat")
 
-        self._gdn_replay(layer, conv_weight, k_heads, v_heads, k_dim, v_dim, kernel, eps)
+        self._gdn_replay(layer, conv_weight, v_heads, k_dim, v_dim, kernel)
         return g.linear(o, out_w, "out_proj")
 
-    def _delta_rule(self, g: Graph, conv_out: str, decay: str, beta: str, past: str, present: str,
-                    k_heads: int, v_heads: int, k_dim: int, v_dim: int, eps: float) -> str:
-        """Split the conv output, L2-normalise q and k per head, repeat them to the value heads, run the rule."""
+    def _qkv_heads(self, g: Graph, conv_out: str, k_heads: int, v_heads: int, k_dim: int, v_dim: int, eps: float):
+        """Split the conv output, L2-normalise q and k per head and repeat them to the value heads (each key head
+        serves v_heads / k_heads consecutive value heads)."""
         q, k, v = g.split(conv_out, [k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], axis=-1, leaf="split_qkv")
         rep = v_heads // k_heads
         qk = []
         for name, t in (("q", q), ("k", k)):
             t = g.reshape(t, [0, 0, k_heads, 1, k_dim], f"{name}_heads")
-            sq = g.op("ReduceSum", [g.op("Mul", [t, t], f"{name}_sq"), g.ints(f"{name}_axes", [-1])],
-                      f"{name}_sumsq", keepdims=1)
-            inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [sq, g.const(f"{name}_eps", np.float32(eps))],
-                                                         f"{name}_eps_add")], f"{name}_sqrt")], f"{name}_inv")
-            t = g.op("Mul", [t, inv], f"{name}_l2norm")
+            sq = g.op("ReduceSumSquare", [t, g.ints(f"{name}_axes", [-1])], f"{name}_sumsq", keepdims=1)
+            norm = g.op("Sqrt", [g.op("Add", [sq, g.const(f"{name}_eps", np.float32(eps))], f"{name}_eps_add")],
+                        f"{name}_sqrt")
+            t = g.op("Div", [t, norm], f"{name}_l2norm")
             if rep > 1:
                 t = g.op("Expand", [t, g.ints(f"{name}_rep", [1, 1, 1, rep, 1])], f"{name}_repeat")
             qk.append(g.reshape(t, [0, 0, v_heads * k_dim], f"{name}_flat"))
-        state_in = past
-        out, _ = g.op("LinearAttention", [qk[0], qk[1], v, state_in, decay, beta], "LinearAttention", n_out=2,
-                      domain=MS, outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
+        return qk[0], qk[1], v
+
+    def _gated_delta(self, g: Graph, q, k, v, decay, beta, past, present, v_heads: int, k_dim: int) -> str:
+        out, _ = g.op("LinearAttention", [q, k, v, past, decay, beta], "LinearAttention", n_out=2, domain=MS,
+                      outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
                       q_num_heads=v_heads, kv_num_heads=v_heads, update_rule="gated_delta",
                       scale=float(k_dim ** -0.5))
         return out
 
-    def _gdn_replay(self, layer, conv_weight, k_heads, v_heads, k_dim, v_dim, kernel, eps):
+    def _gdn_replay(self, layer, conv_weight, v_heads, k_dim, v_dim, kernel):
+        """Advance conv and recurrent state over the first j tokens of the rollback data (q := k: the output of the
+        rule is discarded, only its state is kept)."""
         r = self.replay
         conv_dim = conv_weight.shape[0]
+        rb = f"rollback.{layer}."
         with r.scope(f"model/layers.{layer}/linear_attn"):
-            conv_out = self._causal_conv(r, f"rollback.{layer}.conv_input", r.const("conv/weight", conv_weight),
-                                         f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu")
+            self._causal_conv(r, rb + "conv_input", r.const("conv/weight", conv_weight), f"past_conv_state.{layer}",
+                              f"present_conv_state.{layer}", "none")
             r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
                      ["batch", kernel - 1, conv_dim])
             past_rec = r.input(f"past_recurrent_state.{layer}", F32, ["batch", v_heads, k_dim, v_dim])
-            self._delta_rule(r, conv_out, f"rollback.{layer}.decay", f"rollback.{layer}.beta", past_rec,
-                             f"present_recurrent_state.{layer}", k_heads, v_heads, k_dim, v_dim, eps)
+            self._gated_delta(r, rb + "key", rb + "key", rb + "value", rb + "decay", rb + "beta", past_rec,
+                              f"present_recurrent_state.{layer}", v_heads, k_dim)
             r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32,
                      ["batch", v_heads, k_dim, v_dim])
 
@@ -313,7 +338,11 @@ class Decoder:
         return g.output(y, "logits", F32, ["batch", "sequence", lm_head.shape[0]])
 
     def table(self) -> dict:
-        return {"state": [asdict(s) for s in self.state], "rollback_data": [asdict(r) for r in self.rollback]}
+        packed = None
+        if self.rollback:
+            packed = {"name": "rollback_data", "shape": ["batch", "sequence", sum(r.width for r in self.rollback)],
+                      "dtype": self.dtype_name, "slices": [asdict(r) for r in self.rollback]}
+        return {"state": [asdict(s) for s in self.state], "rollback_data": packed}
 
 
 def _quantize_experts(w: np.ndarray, block_size: int):

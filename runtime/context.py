@@ -41,7 +41,7 @@ class _Forward:
     length: int  # tokens it consumed that are still accepted
     in_slot: int
     out_slot: int
-    data: dict  # rollback output name -> OrtValue [B, T, ...]
+    data: ort.OrtValue  # the packed rollback data [1, T, width] of that call
 
 
 class Context:
@@ -70,8 +70,8 @@ class Context:
                       for _ in range(n_slots)]
         self.slot_pos: list[int | None] = [None] * n_slots
         self._checkpoint: tuple[int, dict] | None = None
-        self.binding = model.session.io_binding()
-        self.rollback_names = [r["name"] for r in m.rollback_data]
+        self.packed_rollback = m.rollback_data is not None
+        self._bindings: dict = {}
         self.reset()
 
     # -- allocation ---------------------------------------------------------------------------------------------
@@ -112,39 +112,49 @@ class Context:
             raise SnapspecError("forward of zero tokens")
         if self.n_past + t > self.max_len:
             raise SnapspecError(f"context full: {self.n_past} + {t} tokens exceed the context of {self.max_len}")
-        b = self.binding
+        out_slot = self._next_slot() if self.slots else None
+        b, order = self._forward_binding(self.cur if self.slots else None, out_slot)
         b.bind_cpu_input("input_ids", tokens)
         b.bind_cpu_input("position_ids", np.arange(self.n_past, self.n_past + t, dtype=np.int64)[None])
         b.bind_cpu_input("attention_mask", np.ones((1, self.n_past + t), dtype=np.int64))
-        # get_outputs() follows the order of the first binding of each name; always bind in this order.
-        order = []
-        for past, value in self.kv.items():
-            b.bind_ortvalue_input(past, value)
-        for present, past in self.kv_out.items():
-            b.bind_ortvalue_output(present, self.kv[past])
-            order.append(present)
-        out_slot = None
-        if self.slots:
-            out_slot = self._next_slot()
-            for spec in self.rec_specs:
-                b.bind_ortvalue_input(spec["name"], self.slots[self.cur][spec["name"]])
-                b.bind_ortvalue_output(spec["output"], self.slots[out_slot][spec["name"]])
-                order.append(spec["output"])
+        # Outputs whose shape depends on t are re-bound each call, so each run allocates them afresh.
         b.bind_output("logits", self.device)
-        order.append("logits")
-        for name in self.rollback_names:
-            b.bind_output(name, self.device)
-            order.append(name)
+        if self.packed_rollback:
+            b.bind_output("rollback_data", self.device)
         self.model.session.run_with_iobinding(b)
         outs = dict(zip(order, b.get_outputs()))
         logits = outs["logits"].numpy()[0]
         if self.slots:
             if self.mode == "replay":
-                self._last = _Forward(self.n_past, t, self.cur, out_slot, {n: outs[n] for n in self.rollback_names})
+                self._last = _Forward(self.n_past, t, self.cur, out_slot, outs["rollback_data"])
             self.slot_pos[out_slot] = self.n_past + t
             self.cur = out_slot
         self.n_past += t
         return logits
+
+    def _forward_binding(self, in_slot, out_slot):
+        """One IOBinding per (input slot, output slot) pair, made once: state bindings never change, so a call only
+        binds its tokens. get_outputs() follows the order in which names were first bound, recorded here."""
+        key = (in_slot, out_slot)
+        if key not in self._bindings:
+            b = self.model.session.io_binding()
+            order = []
+            for past, value in self.kv.items():
+                b.bind_ortvalue_input(past, value)
+            for present, past in self.kv_out.items():
+                b.bind_ortvalue_output(present, self.kv[past])
+                order.append(present)
+            for spec in self.rec_specs:
+                b.bind_ortvalue_input(spec["name"], self.slots[in_slot][spec["name"]])
+                b.bind_ortvalue_output(spec["output"], self.slots[out_slot][spec["name"]])
+                order.append(spec["output"])
+            b.bind_output("logits", self.device)
+            order.append("logits")
+            if self.packed_rollback:
+                b.bind_output("rollback_data", self.device)
+                order.append("rollback_data")
+            self._bindings[key] = (b, order)
+        return self._bindings[key]
 
     def _next_slot(self) -> int:
         """Ring: the slot after cur (overwrites the oldest). Replay: the other slot."""
@@ -183,13 +193,15 @@ class Context:
 
     def _replay(self, pos: int) -> None:
         last = self._last
-        j = pos - last.start
-        b = self.model.replay.io_binding()
-        for spec in self.rec_specs:
-            b.bind_ortvalue_input(spec["name"], self.slots[last.in_slot][spec["name"]])
-            b.bind_ortvalue_output(spec["output"], self.slots[last.out_slot][spec["name"]])
-        for name, value in last.data.items():
-            _bind_prefix(b, name, value, j, self.device)
+        key = ("replay", last.in_slot, last.out_slot)
+        if key not in self._bindings:
+            b = self.model.replay.io_binding()
+            for spec in self.rec_specs:
+                b.bind_ortvalue_input(spec["name"], self.slots[last.in_slot][spec["name"]])
+                b.bind_ortvalue_output(spec["output"], self.slots[last.out_slot][spec["name"]])
+            self._bindings[key] = b
+        b = self._bindings[key]
+        _bind_prefix(b, "rollback_data", last.data, pos - last.start, self.device)
         self.model.replay.run_with_iobinding(b)
         self.slot_pos[last.out_slot] = pos
         self.cur = last.out_slot

@@ -39,7 +39,8 @@ class Manifest:
         return self.data["state"]
 
     @property
-    def rollback_data(self) -> list[dict]:
+    def rollback_data(self) -> dict | None:
+        """The packed per-token rollback output: name, shape, dtype and per-layer column slices (or None)."""
         return self.data["rollback_data"]
 
     @property

@@ -29,7 +29,7 @@ def describe(folder, ctx: int = 4096, window: int | None = None) -> dict:
     roles = {"inputs": {}, "outputs": {}}
     state_in = {s["name"]: s["role"] for s in m.state}
     state_out = {s["output"]: s["role"] for s in m.state}
-    rb = {r["name"]: "rollback data" for r in m.rollback_data}
+    rb = {"rollback_data": "rollback data"} if m.rollback_data else {}
     for name in m.data["graphs"]["forward"]["inputs"]:
         roles["inputs"].setdefault(state_in.get(name, name), []).append(name)
     for name in m.data["graphs"]["forward"]["outputs"]:

@@ -1,0 +1,84 @@
+"""Plain NumPy references for the fast paths: a few lines each, in the layouts the state table uses.
+
+Slow on purpose: one token at a time, no chunking, float64 where it costs nothing. Tests hold every onnxruntime
+op the graphs use, and transformers' own torch versions, against these.
+
+    gated_delta_rule     state [B, H, Dk, Dv]     (Yang et al. 2024, Gated Delta Networks, eq. 10)
+    causal_conv          state [B, K-1, C]        the last K-1 inputs, sequence-major
+    rope                 rotate-half RoPE on the first rotary_dim features of each head (Su et al. 2021)
+    attention            causal softmax attention, grouped-query (Ainslie et al. 2023)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def gated_delta_rule(q, k, v, g, beta, state=None, scale: float | None = None):
+    """q, k [B, T, H, Dk]; v [B, T, H, Dv]; g (log decay, <= 0) and beta [B, T, H] -> (o [B, T, H, Dv], state).
+
+    Per token t and head: S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = scale * S^T q_t.
+    q and k are used as given (normalise and repeat them to H heads first); scale defaults to Dk^-0.5.
+    """
+    B, T, H, Dk = k.shape
+    Dv = v.shape[-1]
+    scale = Dk ** -0.5 if scale is None else scale
+    S = np.zeros((B, H, Dk, Dv)) if state is None else np.array(state, dtype=np.float64)
+    o = np.zeros((B, T, H, Dv))
+    for t in range(T):
+        S = S * np.exp(g[:, t])[..., None, None]
+        kt, vt = k[:, t], v[:, t]  # [B, H, Dk], [B, H, Dv]
+        delta = beta[:, t, :, None] * (vt - np.einsum("bhkv,bhk->bhv", S, kt))
+        S = S + np.einsum("bhk,bhv->bhkv", kt, delta)
+        o[:, t] = scale * np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    return o, S
+
+
+def causal_conv(x, weight, state=None, bias=None, activation: str | None = None):
+    """Depthwise causal conv. x [B, T, C]; weight [C, K]; state [B, K-1, C] -> (y [B, T, C], new state).
+
+    y_t = sum_j weight[:, j] * u_{t-K+1+j} over the inputs u = [state, x]; the new state is u's last K-1 rows.
+    """
+    B, T, C = x.shape
+    K = weight.shape[-1]
+    state = np.zeros((B, K - 1, C)) if state is None else state
+    u = np.concatenate([state, x], axis=1)  # [B, K-1+T, C]
+    y = sum(u[:, j:j + T] * weight[:, j] for j in range(K))
+    if bias is not None:
+        y = y + bias
+    if activation == "silu":
+        y = y / (1.0 + np.exp(-y))
+    return y, u[:, T:]
+
+
+def rope(x, positions, rotary_dim: int, theta: float):
+    """x [B, T, H, D], positions [B, T]: rotate-half RoPE on features [0, rotary_dim), the rest passes through."""
+    half = rotary_dim // 2
+    inv_freq = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)  # [half]
+    angle = positions[..., None, None] * inv_freq  # [B, T, 1, half]
+    cos, sin = np.cos(angle), np.sin(angle)
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def attention(q, k, v, scale: float | None = None):
+    """Causal attention of the last T positions over all S. q [B, T, Hq, D]; k, v [B, S, Hkv, D] -> [B, T, Hq, D].
+
+    Query i sits at position S - T + i and sees keys 0..S - T + i. Query head h reads kv head h // (Hq / Hkv).
+    """
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    k, v = np.repeat(k, rep, axis=2), np.repeat(v, rep, axis=2)
+    scale = D ** -0.5 if scale is None else scale
+    scores = np.einsum("bthd,bshd->bhts", q, k) * scale
+    future = np.arange(S)[None, :] > (S - T + np.arange(T))[:, None]  # [T, S]
+    scores = np.where(future, -np.inf, scores)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", p, v)
+
+
+def l2_normalize(x, eps: float = 1e-6):
+    """x / sqrt(sum(x^2) + eps) over the last axis, as fla and transformers normalise q and k."""
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
