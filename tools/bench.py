@@ -259,10 +259,10 @@ def add_parser(sub, runtime_flags):
 
 
 def run(args) -> int:
+    from .options import load_models
     from rich.console import Console
     from rich.progress import Progress
 
-    from snapspec.runtime import load
     from snapspec.runtime.generate import check_pair
 
     try:
@@ -279,8 +279,7 @@ def run(args) -> int:
         except ImportError:
             raise SnapspecError("--plot needs matplotlib: pip install 'snapspec[bench]'") from None
     prompts = read_prompts(args.prompts, args.limit)
-    target = load(args.target, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
-    drafter = load(args.drafter, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
+    target, drafter = load_models(args, args.target, args.drafter)
     check_pair(target, drafter)
     con = Console(stderr=True)
     n_cfg = len(ks) * (2 if args.rollback == "both" else 1) + (args.draft_max == "auto")

@@ -11,24 +11,11 @@ from pathlib import Path
 
 from snapspec import SnapspecError, __version__
 
-
-def _positive(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+from .options import add_runtime_flags, load_models, positive_int
 
 
 def _draft_max(value: str):
-    if value == "auto":
-        return "auto"
-    return _positive(value)
-
-
-def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ep", default="cpu", help="execution provider: cpu, cuda, webgpu, dml, coreml (default cpu)")
-    p.add_argument("--allow-fallback", action="store_true", help="run on CPU when the provider is not installed")
-    p.add_argument("--threads", type=_positive, default=None, help="intra-op threads (default: onnxruntime's)")
+    return "auto" if value == "auto" else positive_int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
     p.add_argument("--quant", choices=["none", "int4"], default="none")
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32)
-    p.add_argument("--rollback-window", type=_positive, default=8, help="W: deepest bounded rollback (default 8)")
-    p.add_argument("--max-context", type=_positive, default=None)
+    p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
+    p.add_argument("--max-context", type=positive_int, default=None)
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
 
     p = sub.add_parser("generate", help="generate text, with or without a drafter")
@@ -53,28 +40,28 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file", type=Path)
-    p.add_argument("--max-new-tokens", type=_positive, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--draft-max", type=_draft_max, default=4, help="draft length k, or auto")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=_positive, default=0)
+    p.add_argument("--top-k", type=positive_int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=_positive, default=None)
+    p.add_argument("--seed", type=positive_int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--rollback", choices=["auto", "checkpoint"], default="auto")
-    p.add_argument("--context", type=_positive, default=None, help="context length (default: the export's)")
+    p.add_argument("--context", type=positive_int, default=None, help="context length (default: the export's)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    _add_runtime_flags(p)
+    add_runtime_flags(p)
 
     p = sub.add_parser("info", help="describe an exported folder")
     p.add_argument("folder", type=Path)
-    p.add_argument("--ctx", type=_positive, default=4096, help="context length for the memory estimate")
-    p.add_argument("--window", type=_positive, default=None, help="rollback window for the memory estimate")
+    p.add_argument("--ctx", type=positive_int, default=4096, help="context length for the memory estimate")
+    p.add_argument("--window", type=positive_int, default=None, help="rollback window for the memory estimate")
     p.add_argument("--json", action="store_true")
 
     from . import bench, conformance, demo  # noqa: E402  (subcommands that register their own flags)
-    bench.add_parser(sub, _add_runtime_flags)
-    conformance.add_parser(sub, _add_runtime_flags)
-    demo.add_parser(sub, _add_runtime_flags)
+    bench.add_parser(sub, add_runtime_flags)
+    conformance.add_parser(sub, add_runtime_flags)
+    demo.add_parser(sub, add_runtime_flags)
     return parser
 
 
@@ -112,16 +99,10 @@ def read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    from snapspec.runtime import Generator, SamplingParams, final_text, load, stream_text
+    from snapspec.runtime import Generator, SamplingParams, final_text, stream_text
     prompt = read_prompt(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    target = load(args.target, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
-    drafter = None
-    if args.drafter is not None:
-        try:
-            drafter = load(args.drafter, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
-        except SnapspecError as exc:
-            raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
+    target, drafter = load_models(args, args.target, args.drafter)
     gen = Generator(target, target.encode(prompt), drafter=drafter, max_new_tokens=args.max_new_tokens,
                     sampling=sampling, draft_max=args.draft_max, rollback=args.rollback, stop_strings=args.stop,
                     context=args.context)

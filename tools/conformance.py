@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from snapspec import SnapspecError, manifest
-from snapspec.runtime import Context, Generator, Model, load
+from snapspec.runtime import Context, Generator, Model
 
 PROMPTS = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The quick brown fox jumps over the lazy dog. The quick brown",
@@ -174,6 +174,7 @@ def add_parser(sub, runtime_flags):
 
 
 def run(args) -> int:
+    from .options import load_models
     from rich.console import Console
     from rich.table import Table
 
@@ -187,9 +188,7 @@ def run(args) -> int:
     except SnapspecError as exc:
         checks.append(Check("manifest and checksums valid", False, str(exc), where="files"))
         return _report(con, Table, checks, {}, args)
-    target = load(args.target, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
-    drafter = load(args.drafter, args.ep, allow_fallback=args.allow_fallback, threads=args.threads) \
-        if args.drafter else None
+    target, drafter = load_models(args, args.target, args.drafter)
     checks += run_checks(target, drafter, args.window, args.new_tokens)
     placement = {"target": target.providers_used(), **({"drafter": drafter.providers_used()} if drafter else {})}
     return _report(con, Table, checks, placement, args)

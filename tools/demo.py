@@ -61,15 +61,15 @@ def add_parser(sub, runtime_flags):
 
 
 def run(args) -> int:
+    from .options import load_models
     from rich.console import Console
     from rich.table import Table
 
-    from snapspec.runtime import Generator, final_text, load
+    from snapspec.runtime import Generator, final_text
 
     con = Console()
     t_dir, d_dir = exported_pair(log=lambda m: con.print(f"[dim]{m}[/]"))
-    target = load(t_dir, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
-    drafter = load(d_dir, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
+    target, drafter = load_models(args, t_dir, d_dir)
     prompt = args.prompt or default_prompt()
     ids = target.encode(prompt)
     runs = {}
