@@ -7,7 +7,7 @@
 """
 
 from .context import Context, RollbackError
-from .generate import Generator, final_text, generate, stream_text
+from .generation import Generator, final_text, generate, stream_text
 from .model import PROVIDERS, Model, load
 from .sampling import SamplingParams
 from .stats import Stats

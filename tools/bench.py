@@ -263,7 +263,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from snapspec.runtime.generate import check_pair
+    from snapspec.runtime.generation import check_pair
 
     try:
         ks = sorted({int(x) for x in args.k.split(",") if x.strip()})

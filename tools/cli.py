@@ -18,8 +18,21 @@ def _draft_max(value: str):
     return "auto" if value == "auto" else positive_int(value)
 
 
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one `snapspec: error:` line like every other error (no usage dump).
+    Subparsers are made with the parent's class, so this covers every subcommand."""
+
+    def error(self, message):
+        command = self.prog.removeprefix("snapspec").strip()
+        raise _UsageError(f"{command + ': ' if command else ''}{message} (see `{self.prog} --help`)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="snapspec", description="Speculative decoding for hybrid language "
+    parser = _Parser(prog="snapspec", description="Speculative decoding for hybrid language "
                                      "models on ONNX Runtime, with bounded rollback of recurrent state.")
     parser.add_argument("--version", action="version", version=f"snapspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,9 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="snapspec: warning: %(message)s")
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(COMMANDS[args.command](args) or 0)
+    except _UsageError as exc:
+        print(f"snapspec: error: {exc}", file=sys.stderr)
+        return 2
     except SnapspecError as exc:
         print(f"snapspec: error: {exc}", file=sys.stderr)
         return 2

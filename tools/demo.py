@@ -32,7 +32,7 @@ def exported_pair(log=print) -> tuple[Path, Path]:
             raise SnapspecError(f"the demo pair is missing from this installation ({src})")
         digest = hashlib.sha256(b"".join((src / f).read_bytes() for f in sorted(os.listdir(src)))).hexdigest()[:12]
         out = cache_dir() / f"demo-{role}-{digest}"
-        if not (out / "snapspec.json").exists():
+        if not _cached(out):
             try:
                 from snapspec.export import export
             except ImportError:
@@ -42,6 +42,16 @@ def exported_pair(log=print) -> tuple[Path, Path]:
             export(src, out, force=True, log=lambda m: None)
         folders[role] = out
     return folders["target"], folders["drafter"]
+
+
+def _cached(folder: Path) -> bool:
+    """A cached export that still verifies; one from an older snapspec, or a damaged one, is exported again."""
+    from snapspec import manifest
+    try:
+        manifest.load(folder)
+        return True
+    except SnapspecError:
+        return False
 
 
 def default_prompt() -> str:
