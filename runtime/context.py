@@ -69,7 +69,8 @@ class Context:
         self.slots = [{s["name"]: self._alloc(s, fill=np.nan if poison else 0.0) for s in self.rec_specs}
                       for _ in range(n_slots)]
         self.slot_pos: list[int | None] = [None] * n_slots
-        self._checkpoint: tuple[int, dict] | None = None
+        self._checkpoint: int | None = None
+        self._checkpoint_values: dict | None = None
         self.packed_rollback = m.rollback_data is not None
         self._bindings: dict = {}
         self.reset()
@@ -84,7 +85,7 @@ class Context:
         return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
 
     def state_bytes(self) -> int:
-        return sum(v.numpy().nbytes if self.device == "cpu" else int(np.prod(v.shape())) * 4
+        return sum(int(np.prod(v.shape())) * (4 if v.data_type() == "tensor(float)" else 2)
                    for v in list(self.kv.values()) + [v for s in self.slots for v in s.values()])
 
     # -- position bookkeeping --------------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class Context:
             b.bind_output("rollback_data", self.device)
         self.model.session.run_with_iobinding(b)
         outs = dict(zip(order, b.get_outputs()))
-        logits = outs["logits"].numpy()[0]
+        logits = host_array(outs["logits"])[0]
         if self.slots:
             if self.mode == "replay":
                 self._last = _Forward(self.n_past, t, self.cur, out_slot, outs["rollback_data"])
@@ -217,23 +218,24 @@ class Context:
 
     # -- checkpoint ----------------------------------------------------------------------------------------------
     def checkpoint(self) -> None:
-        """Copy the current recurrent state aside (KV needs no copy: truncation restores it)."""
-        copies = {}
+        """Copy the current recurrent state aside, on the device (KV needs no copy: truncation restores it)."""
         if self.slots:
-            for spec in self.rec_specs:
-                copies[spec["name"]] = self.slots[self.cur][spec["name"]].numpy().copy()
-        self._checkpoint = (self.n_past, copies)
+            if self._checkpoint_values is None:
+                self._checkpoint_values = {spec["name"]: self._alloc(spec, 0.0) for spec in self.rec_specs}
+            for name, value in self._checkpoint_values.items():
+                _copy(self.slots[self.cur][name], value)
+        self._checkpoint = self.n_past
 
     def restore(self) -> None:
+        """Copy the checkpoint back into the current slot (its bound address does not change)."""
         if self._checkpoint is None:
             raise SnapspecError("restore() without checkpoint()")
-        pos, copies = self._checkpoint
         if self.slots:
-            for name, host in copies.items():
-                self.slots[self.cur][name].update_inplace(host)
+            for name, value in self._checkpoint_values.items():
+                _copy(value, self.slots[self.cur][name])
             self.slot_pos = [None] * len(self.slots)
-            self.slot_pos[self.cur] = pos
-        self.n_past = pos
+            self.slot_pos[self.cur] = self._checkpoint
+        self.n_past = self._checkpoint
         self._last = None
 
     # -- inspection (tests, conformance) ------------------------------------------------------------------------
@@ -241,10 +243,27 @@ class Context:
         """Host copies of the live state: KV rows [:n_past] and the current recurrent slot."""
         out = {}
         for name, value in self.kv.items():
-            out[name] = value.numpy()[:, :, : self.n_past].copy()
+            out[name] = host_array(value)[:, :, : self.n_past].copy()
         for spec in self.rec_specs:
-            out[spec["name"]] = self.slots[self.cur][spec["name"]].numpy().copy()
+            out[spec["name"]] = host_array(self.slots[self.cur][spec["name"]]).copy()
         return out
+
+
+def host_array(value: ort.OrtValue) -> np.ndarray:
+    """A NumPy view (CPU) or copy (device) of an OrtValue."""
+    if value.device_name() == "cpu":
+        return value.numpy()
+    dtype = np.float32 if value.data_type() == "tensor(float)" else np.float16
+    host = ort.OrtValue.ortvalue_from_numpy(np.empty(value.shape(), dtype=dtype))
+    ort.copy_tensors([value], [host], None)
+    return host.numpy()
+
+
+def _copy(src: ort.OrtValue, dst: ort.OrtValue) -> None:
+    if src.device_name() == "cpu" and dst.device_name() == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        ort.copy_tensors([src], [dst], None)
 
 
 def _bind_prefix(binding: ort.IOBinding, name: str, value: ort.OrtValue, j: int, device: str) -> None:

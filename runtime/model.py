@@ -13,34 +13,11 @@ import onnxruntime as ort
 
 from snapspec import SnapspecError, manifest
 
-PROVIDERS = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "webgpu": "WebGpuExecutionProvider",
-    "dml": "DmlExecutionProvider",
-    "coreml": "CoreMLExecutionProvider",
-}
-# Where a provider keeps the OrtValues the runtime binds (KV cache, recurrent state).
-_DEVICE = {"cuda": "cuda", "dml": "cpu", "coreml": "cpu", "cpu": "cpu", "webgpu": "cpu"}
+from .providers import DEVICE, PROVIDERS, configure
+
 _NP = {"float32": np.float32, "float16": np.float16}
 
 log = logging.getLogger("snapspec")
-
-
-def resolve_provider(ep: str, allow_fallback: bool = False) -> tuple[str, list[str]]:
-    """Return (ep actually used, onnxruntime provider list). A missing provider is an error unless allowed."""
-    if ep not in PROVIDERS:
-        raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
-    available = ort.get_available_providers()
-    name = PROVIDERS[ep]
-    if name not in available:
-        have = ", ".join(k for k, v in PROVIDERS.items() if v in available)
-        if not allow_fallback:
-            raise SnapspecError(f"execution provider {ep} is not installed in this onnxruntime "
-                                f"(available: {have}); install the matching extra, or pass --allow-fallback")
-        log.warning("execution provider %s is not installed (available: %s); continuing on cpu as asked", ep, have)
-        return "cpu", ["CPUExecutionProvider"]
-    return ep, [name] + (["CPUExecutionProvider"] if name != "CPUExecutionProvider" else [])
 
 
 @dataclass
@@ -62,7 +39,7 @@ class Model:
 
     @property
     def device(self) -> str:
-        return _DEVICE[self.ep]
+        return DEVICE[self.ep]
 
     @property
     def float_dtype(self):
@@ -93,7 +70,6 @@ class Model:
 def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int | None = None,
          verify: bool = True) -> Model:
     m = manifest.load(folder, verify=verify)
-    used_ep, providers = resolve_provider(ep, allow_fallback)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
@@ -101,6 +77,7 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    used_ep, providers = configure(ep, opts, allow_fallback)
     session = _session(m.graph_path("forward"), opts, providers)
     replay_path = m.graph_path("replay")
     replay = _session(replay_path, opts, providers) if replay_path is not None else None
@@ -118,9 +95,11 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     return model
 
 
-def _session(path: Path, opts: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+def _session(path: Path, opts: ort.SessionOptions, providers: list[str] | None) -> ort.InferenceSession:
     try:
+        if providers is None:  # a plugin EP device was added to the options
+            return ort.InferenceSession(str(path), opts)
         return ort.InferenceSession(str(path), opts, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types for corrupt or truncated graphs
-        msg = str(exc).splitlines()[0][:300]
+        msg = str(exc).splitlines()[0].split(" : FAIL : ")[-1].strip()[:500]
         raise SnapspecError(f"onnxruntime cannot load {path.name} from {path.parent}: {msg}") from None

@@ -1,0 +1,81 @@
+"""Execution providers: which are installed, how a session is put on one, where its OrtValues live.
+
+WebGPU comes either built into the onnxruntime wheel (onnxruntime-webgpu, which cannot allocate device OrtValues from
+Python) or as the plugin EP package `onnxruntime-ep-webgpu` on the regular wheel, which can; the plugin is registered
+here on first use and its device is added with `add_provider_for_devices`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import onnxruntime as ort
+
+from snapspec import SnapspecError
+
+log = logging.getLogger("snapspec")
+
+PROVIDERS = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "webgpu": "WebGpuExecutionProvider",
+    "dml": "DmlExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+}
+# Where the KV cache and recurrent state live between calls. DirectML and CoreML run the linear-attention and conv
+# nodes on CPU (no kernels), so their state stays on the host.
+DEVICE = {"cpu": "cpu", "cuda": "cuda", "webgpu": "webgpu", "dml": "cpu", "coreml": "cpu"}
+_plugin_registered = False
+
+
+def _webgpu_plugin_device():
+    """The plugin EP's device, registering the library once; None when the plugin package is absent."""
+    global _plugin_registered
+    try:
+        import onnxruntime_ep_webgpu as plugin
+    except ImportError:
+        return None
+    if not _plugin_registered:
+        try:
+            ort.register_execution_provider_library("webgpu", plugin.get_library_path())
+        except Exception as exc:  # onnxruntime reports version or loader problems as a generic failure
+            raise SnapspecError(f"the WebGPU plugin EP failed to register: {str(exc).splitlines()[0]}") from None
+        _plugin_registered = True
+    return next((d for d in ort.get_ep_devices() if d.ep_name == plugin.get_ep_name()), None)
+
+
+def available() -> list[str]:
+    names = set(ort.get_available_providers())
+    have = [k for k, v in PROVIDERS.items() if v in names]
+    if "webgpu" not in have:
+        try:
+            if _webgpu_plugin_device() is not None:
+                have.append("webgpu")
+        except SnapspecError:
+            pass
+    return have
+
+
+def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[str, list[str] | None]:
+    """Put `opts` on `ep`. Returns (ep actually used, providers list for InferenceSession or None when the
+    device was added to the options). A missing provider is an error unless fallback is allowed."""
+    if ep not in PROVIDERS:
+        raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
+    if ep == "cpu":
+        return "cpu", ["CPUExecutionProvider"]
+    if ep == "webgpu" and PROVIDERS[ep] not in ort.get_available_providers():
+        device = _webgpu_plugin_device()
+        if device is not None:
+            opts.add_provider_for_devices([device], {})
+            return ep, None
+    elif PROVIDERS[ep] in ort.get_available_providers():
+        return ep, [PROVIDERS[ep], "CPUExecutionProvider"]
+    have = ", ".join(available())
+    hint = {"webgpu": "pip install 'snapspec[webgpu]' (and a Vulkan/Metal/D3D12 GPU driver)",
+            "cuda": "pip install 'snapspec[cuda]'", "dml": "pip install 'snapspec[directml]' (Windows)",
+            "coreml": "CoreML ships in onnxruntime on macOS"}[ep]
+    if not allow_fallback:
+        raise SnapspecError(f"execution provider {ep} is not available here (available: {have}); {hint}, "
+                            "or pass --allow-fallback to run on cpu")
+    log.warning("execution provider %s is not available (available: %s); continuing on cpu as asked", ep, have)
+    return "cpu", ["CPUExecutionProvider"]
