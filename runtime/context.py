@@ -82,7 +82,11 @@ class Context:
     def _alloc(self, spec: dict, fill: float) -> ort.OrtValue:
         dtype = np.float32 if spec["dtype"] == "float32" else np.float16
         host = np.full(self._shape(spec), fill, dtype=dtype)
-        return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
+        if self.device == "cpu":
+            return ort.OrtValue.ortvalue_from_numpy(host)
+        value = ort.OrtValue.ortvalue_from_shape_and_type(host.shape, dtype, self.device, 0)
+        ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(host)], [value], None)
+        return value
 
     def state_bytes(self) -> int:
         return sum(int(np.prod(v.shape())) * (4 if v.data_type() == "tensor(float)" else 2)
@@ -102,7 +106,7 @@ class Context:
 
     def _write(self, value: ort.OrtValue, fill: float) -> None:
         host = np.full(value.shape(), fill, dtype=np.float32 if value.data_type() == "tensor(float)" else np.float16)
-        value.update_inplace(host)
+        _copy(ort.OrtValue.ortvalue_from_numpy(host), value)
 
     # -- forward ----------------------------------------------------------------------------------------------------
     def forward(self, tokens, all_logits: bool = True) -> np.ndarray:
