@@ -71,6 +71,7 @@ class Context:
         self.slot_pos: list[int | None] = [None] * n_slots
         self._checkpoint: int | None = None
         self._checkpoint_values: dict | None = None
+        self._zeros: dict | None = None
         self.packed_rollback = m.rollback_data is not None
         self._bindings: dict = {}
         self.reset()
@@ -82,11 +83,7 @@ class Context:
     def _alloc(self, spec: dict, fill: float) -> ort.OrtValue:
         dtype = np.float32 if spec["dtype"] == "float32" else np.float16
         host = np.full(self._shape(spec), fill, dtype=dtype)
-        if self.device == "cpu":
-            return ort.OrtValue.ortvalue_from_numpy(host)
-        value = ort.OrtValue.ortvalue_from_shape_and_type(host.shape, dtype, self.device, 0)
-        ort.copy_tensors([ort.OrtValue.ortvalue_from_numpy(host)], [value], None)
-        return value
+        return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
 
     def state_bytes(self) -> int:
         return sum(int(np.prod(v.shape())) * (4 if v.data_type() == "tensor(float)" else 2)
@@ -99,14 +96,12 @@ class Context:
         self._last: _Forward | None = None
         self._checkpoint = None
         if self.slots:
+            if self._zeros is None:  # kept alive: device copies may complete after this call returns
+                self._zeros = {spec["name"]: self._alloc(spec, 0.0) for spec in self.rec_specs}
             for spec in self.rec_specs:
-                self._write(self.slots[0][spec["name"]], 0.0)
+                _copy(self._zeros[spec["name"]], self.slots[0][spec["name"]])
             self.slot_pos = [0] + [None] * (len(self.slots) - 1)
             self.cur = 0
-
-    def _write(self, value: ort.OrtValue, fill: float) -> None:
-        host = np.full(value.shape(), fill, dtype=np.float32 if value.data_type() == "tensor(float)" else np.float16)
-        _copy(ort.OrtValue.ortvalue_from_numpy(host), value)
 
     # -- forward ----------------------------------------------------------------------------------------------------
     def forward(self, tokens, all_logits: bool = True) -> np.ndarray:
@@ -123,12 +118,12 @@ class Context:
         b.bind_cpu_input("position_ids", np.arange(self.n_past, self.n_past + t, dtype=np.int64)[None])
         b.bind_cpu_input("attention_mask", np.ones((1, self.n_past + t), dtype=np.int64))
         # Outputs whose shape depends on t are re-bound each call, so each run allocates them afresh.
-        b.bind_output("logits", self.device)
+        b.bind_output("logits", "cpu")  # sampling runs on the host: logits come back, state stays
         if self.packed_rollback:
             b.bind_output("rollback_data", self.device)
         self.model.session.run_with_iobinding(b)
         outs = dict(zip(order, b.get_outputs()))
-        logits = host_array(outs["logits"])[0]
+        logits = outs["logits"].numpy()[0]
         if self.slots:
             if self.mode == "replay":
                 self._last = _Forward(self.n_past, t, self.cur, out_slot, outs["rollback_data"])
@@ -153,7 +148,7 @@ class Context:
                 b.bind_ortvalue_input(spec["name"], self.slots[in_slot][spec["name"]])
                 b.bind_ortvalue_output(spec["output"], self.slots[out_slot][spec["name"]])
                 order.append(spec["output"])
-            b.bind_output("logits", self.device)
+            b.bind_output("logits", "cpu")
             order.append("logits")
             if self.packed_rollback:
                 b.bind_output("rollback_data", self.device)
@@ -194,6 +189,9 @@ class Context:
             self._replay(pos)
         self.n_past = pos
         self._invalidate_after(pos)
+        if self._checkpoint is not None and pos < self._checkpoint:
+            # The next forward overwrites KV rows the checkpoint relies on: restore() must refuse, not drift.
+            self._checkpoint = None
         return mode
 
     def _replay(self, pos: int) -> None:
@@ -254,13 +252,8 @@ class Context:
 
 
 def host_array(value: ort.OrtValue) -> np.ndarray:
-    """A NumPy view (CPU) or copy (device) of an OrtValue."""
-    if value.device_name() == "cpu":
-        return value.numpy()
-    dtype = np.float32 if value.data_type() == "tensor(float)" else np.float16
-    host = ort.OrtValue.ortvalue_from_numpy(np.empty(value.shape(), dtype=dtype))
-    ort.copy_tensors([value], [host], None)
-    return host.numpy()
+    """A NumPy view (CPU) or a synchronous copy (device) of an OrtValue."""
+    return value.numpy()
 
 
 def _copy(src: ort.OrtValue, dst: ort.OrtValue) -> None:
