@@ -18,7 +18,7 @@ import onnx
 import snapspec
 from snapspec import SnapspecError, manifest
 
-from . import arch
+from . import arch, genai_config
 from .blocks import Decoder
 from .checkpoint import Checkpoint
 from .graph import Graph
@@ -34,8 +34,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
     dtype: float32 | float16 (activations and weights; recurrent state stays float32).
-    quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table stays in `dtype`,
-           the output projection is quantized even when tied).
+    quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table is stored in
+           float16, the output projection is quantized even when tied).
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
     """
@@ -52,6 +52,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         raise SnapspecError("rollback window must be at least 1")
     if out_dir.exists() and not force:
         raise SnapspecError(f"{out_dir} already exists; pass --force to replace it")
+    if not hf_dir.is_dir():
+        raise SnapspecError(f"checkpoint folder not found: {hf_dir}")
     if not (hf_dir / "tokenizer.json").exists():
         raise SnapspecError(f"{hf_dir} has no tokenizer.json; snapspec needs the fast tokenizer file")
 
@@ -79,6 +81,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
                 shutil.copyfile(hf_dir / name, tmp / name)
         shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
         data = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay)
+        # Derived from the manifest's data, written first so that the manifest checksums it too.
+        genai_config.write(tmp, data, num_attention_heads=getattr(spec, "heads", None))
         result = manifest.write(tmp, data)
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
@@ -124,7 +128,7 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, window, ct
         **dec.table(),
         "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": window},
         "export": {"dtype": dtype, "quant": quant, "block_size": block_size if quant == "int4" else None,
-                   "int4_note": "embedding table kept in dtype; output projection quantized" if quant == "int4"
+                   "int4_note": "embedding table stored in float16; output projection quantized (int4)" if quant == "int4"
                    else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
                      "python": sys.version.split()[0]},

@@ -158,12 +158,12 @@ class Decoder:
         shape = ["batch", "sequence", width]
         g, r = self.fwd, self.replay
         with g.scope("model/rollback_data"):
-            g.op("Concat", self._rollback_values, "Concat", outputs=["rollback_data"], axis=-1)
+            g.concat_tree(self._rollback_values, "rollback_data", axis=-1)
         g.output("rollback_data", "rollback_data", g.onnx_dtype, shape)
         r.input("rollback_data", r.onnx_dtype, shape)
         with r.scope("model/rollback_data"):
-            r.op("Split", ["rollback_data", r.ints("sizes", [e.width for e in self.rollback])], "Split",
-                 outputs=[f"rollback.{e.layer}.{e.kind}" for e in self.rollback], axis=-1)
+            r.split_tree("rollback_data", [e.width for e in self.rollback],
+                         [f"rollback.{e.layer}.{e.kind}" for e in self.rollback], axis=-1)
 
     def _causal_conv(self, g: Graph, x: str, weight_name: str, state: str, present: str, activation: str,
                      leaf: str = "conv") -> str:
@@ -293,10 +293,11 @@ class Decoder:
         """Sparse mixture of SwiGLU experts (com.microsoft MoE, or QMoE under int4), plus an optional shared expert.
 
         router_w (E, D); gate_w, up_w (E, I, D); down_w (E, D, I). The op takes router logits, applies softmax over
-        all experts, keeps the top_k and renormalises them when `normalize`. The CPU kernel accepts only the
-        interleaved gate/up layout (swiglu_fusion=1). shared = (gate, up, down) of a dense SwiGLU whose output is
-        scaled by sigmoid(x @ shared_gate_w.T), as in Qwen2-MoE / Qwen3-Next. The router stays unquantized: a
-        quantized router flips expert choices.
+        all experts, keeps the top_k and renormalises them when `normalize`; it reads x as B*T rows but wants the
+        router logits 2-D, [B*T, E]. The CPU kernel accepts only the interleaved gate/up layout (swiglu_fusion=1);
+        activation_alpha = 1, beta = 0 (plain silu(g) * u) are spelled out rather than left to defaults. shared =
+        (gate, up, down) of a dense SwiGLU whose output is scaled by sigmoid(x @ shared_gate_w.T), as in Qwen3-Next.
+        The router stays unquantized: top-k selection is discontinuous, so router noise changes which experts run.
         """
         g = self.fwd
         n_exp, inter, hidden = gate_w.shape
@@ -306,7 +307,9 @@ class Decoder:
         attrs = dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(normalize),
                      activation_alpha=1.0, activation_beta=0.0)
         bs = g.block_size
-        if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0:
+        # QMoE's CPU kernel (onnxruntime 1.32) renormalises the top-k weights even with normalize_routing_weights=0,
+        # so a router without renormalisation keeps float experts.
+        if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0 and normalize:
             w1, s1, z1 = _quantize_experts(fc1, bs)
             w2, s2, z2 = _quantize_experts(down_w, bs)
             names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
@@ -326,8 +329,15 @@ class Decoder:
 
     # -- head -------------------------------------------------------------------------------------------------------
     def embed(self, table: np.ndarray) -> str:
-        with self.fwd.scope("model/embed_tokens"):
-            return self.fwd.op("Gather", [self.fwd.const("weight", table), self.input_ids], "Gather")
+        """Token embedding. Under int4 the table is stored in float16 (half the bytes, exact for bf16 checkpoints'
+        values in float16 range) and the gathered rows are cast to the export dtype."""
+        g = self.fwd
+        with g.scope("model/embed_tokens"):
+            if g.quant == "int4":
+                rows = g.op("Gather", [g.const("weight", table.astype(np.float16), keep_dtype=True), self.input_ids],
+                            "Gather")
+                return g.op("Cast", [rows], "Cast", to=g.onnx_dtype) if g.onnx_dtype != TensorProto.FLOAT16 else rows
+            return g.op("Gather", [g.const("weight", table), self.input_ids], "Gather")
 
     def logits(self, h: str, lm_head: np.ndarray) -> str:
         g = self.fwd

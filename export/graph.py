@@ -103,7 +103,7 @@ class Graph:
                 y = self.op("MatMulNBits", [x, self.const("weight_q4", packed), self.const("scales", scales),
                                             self.const("zero_points", zeros)],
                             "MatMulNBits", domain=MS, K=k, N=n, bits=4, block_size=self.block_size,
-                            accuracy_level=4)
+                            accuracy_level=1)
             else:
                 y = self.op("MatMul", [x, self.const("weight", np.ascontiguousarray(weight.T))], "MatMul")
             if bias is not None:
@@ -129,6 +129,28 @@ class Graph:
 
     def split(self, x: str, sizes, axis: int, leaf: str = "Split") -> list[str]:
         return self.op("Split", [x, self.ints(f"{leaf}/sizes", sizes)], leaf, n_out=len(sizes), axis=axis)
+
+    def concat_tree(self, values: list[str], output: str, axis: int, fan: int = 8) -> str:
+        """Concat as a tree of at most `fan` inputs per node (WebGPU allows 16 storage buffers per shader)."""
+        if len(values) <= fan:
+            return self.op("Concat", values, "Concat", outputs=[output], axis=axis)
+        step = -(-len(values) // fan)
+        parts = [self.concat_tree(values[i:i + step], self._unique(f"{output}/part_{i // step}"), axis, fan)
+                 for i in range(0, len(values), step)]
+        return self.op("Concat", parts, "Concat", outputs=[output], axis=axis)
+
+    def split_tree(self, x: str, sizes: list[int], outputs: list[str], axis: int, fan: int = 8) -> list[str]:
+        """Split as a tree of at most `fan` outputs per node, writing the named outputs."""
+        if len(sizes) <= fan:
+            self.op("Split", [x, self.ints("Split/sizes", sizes)], "Split", outputs=outputs, axis=axis)
+            return outputs
+        step = -(-len(sizes) // fan)
+        groups = [(sizes[i:i + step], outputs[i:i + step]) for i in range(0, len(sizes), step)]
+        parts = [self._unique(f"{x}/part_{n}") for n in range(len(groups))]
+        self.op("Split", [x, self.ints("Split/sizes", [sum(g[0]) for g in groups])], "Split", outputs=parts, axis=axis)
+        for part, (sz, names) in zip(parts, groups):
+            self.split_tree(part, sz, names, axis, fan)
+        return outputs
 
     def cast_float(self, x: str, leaf: str = "Cast") -> str:
         """Cast to the export float dtype (no-op node skipped for fp32)."""
