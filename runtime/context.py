@@ -256,11 +256,22 @@ def host_array(value: ort.OrtValue) -> np.ndarray:
     return value.numpy()
 
 
+_DEVICE_COPY = {"ok": True}
+
+
 def _copy(src: ort.OrtValue, dst: ort.OrtValue) -> None:
+    """dst <- src in place. Device to device where onnxruntime registers a data transfer for the device (the
+    plugin EPs, WebGPU); the built-in CUDA EP registers none, so there it goes through the host."""
     if src.device_name() == "cpu" and dst.device_name() == "cpu":
         np.copyto(dst.numpy(), src.numpy())
-    else:
-        ort.copy_tensors([src], [dst], None)
+        return
+    if _DEVICE_COPY["ok"]:
+        try:
+            ort.copy_tensors([src], [dst], None)
+            return
+        except RuntimeError:
+            _DEVICE_COPY["ok"] = False
+    dst.update_inplace(src.numpy())
 
 
 def _bind_prefix(binding: ort.IOBinding, name: str, value: ort.OrtValue, j: int, device: str) -> None:

@@ -77,7 +77,12 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Memory patterns are cached per input shape, and the attention mask has a new shape at every position: with
+    # them on, resident memory grows ~6 KB per position decoded (tests/test_long_run.py), at no gain in speed.
+    opts.enable_mem_pattern = False
     used_ep, providers = configure(ep, opts, allow_fallback)
+    if used_ep == "cuda":
+        _check_cuda_support(m)
     session = _session(m.graph_path("forward"), opts, providers)
     replay_path = m.graph_path("replay")
     replay = _session(replay_path, opts, providers) if replay_path is not None else None
@@ -103,3 +108,22 @@ def _session(path: Path, opts: ort.SessionOptions, providers: list[str] | None) 
     except Exception as exc:  # onnxruntime raises its own exception types for corrupt or truncated graphs
         msg = str(exc).splitlines()[0].split(" : FAIL : ")[-1].strip()[:500]
         raise SnapspecError(f"onnxruntime cannot load {path.name} from {path.parent}: {msg}") from None
+
+
+def _check_cuda_support(m: manifest.Manifest) -> None:
+    """What onnxruntime-gpu 1.31 can run, measured on an H200: refuse the rest instead of running it wrongly.
+
+    GroupQueryAttention has no float32 CUDA kernel: the node falls back to CPU, its shared KV buffer is copied
+    around it and multi-token forwards stop matching one-token steps (drafter == target accepted 0.2-0.7).
+    LinearAttention on CUDA requires its state in the activation dtype, while snapspec keeps recurrent state in
+    float32 (fp16 state drifts over long sequences).
+    """
+    dtype = m.data["export"]["dtype"]
+    has_attention = any(s["role"].startswith("kv") for s in m.state)
+    if dtype == "float32" and has_attention:
+        raise SnapspecError("the CUDA execution provider has no float32 GroupQueryAttention kernel; re-export with "
+                            "--dtype fp16 for CUDA, or use --ep cpu / --ep webgpu")
+    if any(s["role"] == "recurrent" for s in m.state):
+        raise SnapspecError("onnxruntime-gpu 1.31's LinearAttention needs the recurrent state in float16 on CUDA and "
+                            "snapspec keeps it in float32; hybrid models on CUDA are not supported yet "
+                            "(--ep webgpu runs them on NVIDIA GPUs)")

@@ -69,6 +69,12 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[
             opts.add_provider_for_devices([device], {})
             return ep, None
     elif PROVIDERS[ep] in ort.get_available_providers():
+        if ep == "cuda":
+            if hasattr(ort, "preload_dlls"):
+                ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when that is where they are
+            # TF32 GEMMs (the CUDA EP's default on Ampere and later) make a multi-token verify disagree with
+            # one-token steps at 1e-3, enough to flip greedy choices: full fp32 keeps the contract.
+            return ep, [(PROVIDERS[ep], {"use_tf32": "0"}), "CPUExecutionProvider"]
         return ep, [PROVIDERS[ep], "CPUExecutionProvider"]
     have = ", ".join(available())
     hint = {"webgpu": "pip install 'snapspec[webgpu]' (and a Vulkan/Metal/D3D12 GPU driver)",
