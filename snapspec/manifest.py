@@ -1,7 +1,10 @@
 """The exported folder's manifest (`snapspec.json`): the single description of graphs, state and rollback.
 
 The exporter writes it; the runtime's allocator, the conformance checks and `snapspec info` read it. Loading checks
-the format, that every listed file exists and matches its sha256, and that no listed path leaves the folder.
+the format, the manifest's own checksum, that every listed file exists and matches its sha256, that no listed path
+leaves the folder, and that every external-data file a graph names is a listed file (onnxruntime would otherwise
+read whatever path the graph names; its own check comes later and reads as an onnxruntime failure). The graphs are
+scanned at the protobuf wire level, so the runtime needs no onnx package.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from snapspec import SnapspecError
 
 FORMAT = "snapspec-export/1"
 FILENAME = "snapspec.json"
+SELF_KEY = "manifest_sha256"
 
 
 def sha256_file(path: Path) -> str:
@@ -69,8 +73,15 @@ def write(folder: Path, data: dict) -> Manifest:
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != FILENAME):
         files[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     data = {**data, "format": FORMAT, "files": files}
+    data[SELF_KEY] = _self_digest(data)
     (folder / FILENAME).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     return Manifest(folder, data)
+
+
+def _self_digest(data: dict) -> str:
+    """sha256 of the manifest without its own checksum, in a canonical JSON form (key order and indent free)."""
+    body = {k: v for k, v in data.items() if k != SELF_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def load(folder: Path | str, verify: bool = True) -> Manifest:
@@ -90,6 +101,9 @@ def load(folder: Path | str, verify: bool = True) -> Manifest:
     for key in ("model", "graphs", "state", "rollback", "rollback_data", "tokens", "files"):
         if key not in data:
             raise SnapspecError(f"manifest {path} lacks the {key!r} section")
+    if verify and data.get(SELF_KEY) != _self_digest(data):
+        raise SnapspecError(f"checksum mismatch for {path}: the manifest was edited after export or was written by "
+                            "an older snapspec (re-export the model)")
     root = folder.resolve()
     for name, info in data["files"].items():
         file = (folder / name).resolve()
@@ -104,4 +118,80 @@ def load(folder: Path | str, verify: bool = True) -> Manifest:
     for role, entry in data["graphs"].items():
         if entry["file"] not in data["files"]:
             raise SnapspecError(f"manifest {path}: graph {role} file {entry['file']} is not checksummed")
+        for location in external_data_locations(folder / entry["file"]):
+            if location not in data["files"]:
+                raise SnapspecError(f"{entry['file']} in {folder} reads external data from {location!r}, which is not "
+                                    "a checksummed file of the folder (a path outside it, or an unlisted file); "
+                                    "refusing to load it")
     return Manifest(folder, data)
+
+
+# -- external data of an ONNX graph, read from the protobuf wire format -------------------------------------------
+# Field numbers from onnx.proto. Only the messages that can hold a TensorProto are entered; everything else (raw
+# tensor bytes included) is skipped by its length.
+_ENTER = {
+    "model": {7: "graph", 25: "function"},
+    "graph": {1: "node", 5: "tensor", 15: "sparse"},
+    "function": {7: "node"},
+    "node": {5: "attribute"},
+    "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"},
+    "sparse": {1: "tensor", 2: "tensor"},
+    "tensor": {13: "entry"},
+}
+
+
+def external_data_locations(path: Path) -> set[str]:
+    """The `location` of every tensor stored outside the graph file, anywhere in the model (subgraphs included)."""
+    try:
+        buf = memoryview(Path(path).read_bytes())
+        found: set[str] = set()
+        _scan(buf, "model", found)
+        return found
+    except (IndexError, ValueError, UnicodeDecodeError):
+        raise SnapspecError(f"{path} is not a readable ONNX graph (truncated or corrupt)") from None
+
+
+def _scan(buf: memoryview, kind: str, found: set[str]) -> dict[int, bytes]:
+    fields: dict[int, bytes] = {}
+    i, end = 0, len(buf)
+    while i < end:
+        key, i = _varint(buf, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = _varint(buf, i)
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            if i + n > end:
+                raise ValueError("length past the end")
+            child = _ENTER.get(kind, {}).get(number)
+            if child == "entry":
+                entry = _scan(buf[i:i + n], "entry", found)
+                if entry.get(1) == b"location":
+                    found.add(entry.get(2, b"").decode("utf-8"))
+            elif child is not None:
+                _scan(buf[i:i + n], child, found)
+            elif kind == "entry":
+                fields[number] = bytes(buf[i:i + n])
+            i += n
+        else:
+            raise ValueError(f"wire type {wire}")
+        if i > end:
+            raise ValueError("field past the end")
+    return fields
+
+
+def _varint(buf: memoryview, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[i]
+        value |= (b & 0x7F) << shift
+        i += 1
+        if b < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")

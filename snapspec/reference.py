@@ -7,6 +7,8 @@ op the graphs use, and transformers' own torch versions, against these.
     causal_conv          state [B, K-1, C]        the last K-1 inputs, sequence-major
     rope                 rotate-half RoPE on the first rotary_dim features of each head (Su et al. 2021)
     attention            causal softmax attention, grouped-query (Ainslie et al. 2023)
+    moe                  softmax router, top-k experts, SwiGLU experts (Shazeer et al. 2017)
+    rms_norm             x / rms(x) * gamma (Zhang and Sennrich 2019)
 """
 
 from __future__ import annotations
@@ -82,3 +84,28 @@ def attention(q, k, v, scale: float | None = None):
 def l2_normalize(x, eps: float = 1e-6):
     """x / sqrt(sum(x^2) + eps) over the last axis, as fla and transformers normalise q and k."""
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)
+
+
+def rms_norm(x, gamma, eps: float):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * gamma
+
+
+def moe(x, router_w, gate_w, up_w, down_w, top_k: int, normalize: bool):
+    """x [N, D]; router_w [E, D]; gate_w, up_w [E, I, D]; down_w [E, D, I] -> [N, D].
+
+    p = softmax(x router_w^T); each row sums, over its top_k experts e, p_e * down_e(silu(gate_e x) * up_e x), with
+    the top_k probabilities renormalised to sum to 1 when `normalize`.
+    """
+    logits = x @ router_w.T
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    weight = np.take_along_axis(p, top, -1)
+    if normalize:
+        weight = weight / weight.sum(-1, keepdims=True)
+    out = np.zeros_like(x, dtype=np.float64)
+    for n in range(x.shape[0]):
+        for e, w in zip(top[n], weight[n]):
+            g, u = gate_w[e] @ x[n], up_w[e] @ x[n]
+            out[n] += w * (down_w[e] @ (g / (1 + np.exp(-g)) * u))
+    return out

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 
 from snapspec import manifest as mf
+from snapspec.export.quant import dequantize_int4, quantize_int4
 
 from tiny import load_hf
 
@@ -45,20 +47,21 @@ def _np_dtype(name: str):
 class Step:
     logits: np.ndarray  # [B, T, vocab]
     state: dict  # state input name -> array
-    rollback: dict  # rollback data name -> [B, T, width]
+    rollback: np.ndarray | None  # the packed `rollback_data` output [B, T, width], None without recurrent layers
 
 
 class OrtModel:
     """An exported folder's forward and replay graphs, fed NumPy arrays, with KV buffers of `context` rows."""
 
-    def __init__(self, folder: Path, context: int = 128, threads: int = 1):
+    def __init__(self, folder: Path, context: int = 128, threads: int = 1, forward_model: bytes | None = None):
+        """forward_model, when given, replaces model.onnx (a test's modified copy of it)."""
         self.manifest = mf.load(folder)
         self.context = context
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.log_severity_level = 3
         cpu = ["CPUExecutionProvider"]
-        self.fwd = ort.InferenceSession(str(self.manifest.graph_path("forward")), opts, providers=cpu)
+        self.fwd = ort.InferenceSession(forward_model or str(self.manifest.graph_path("forward")), opts, providers=cpu)
         replay = self.manifest.graph_path("replay")
         self.replay_session = ort.InferenceSession(str(replay), opts, providers=cpu) if replay else None
         self.entries = {s["name"]: s for s in self.manifest.state}
@@ -74,6 +77,10 @@ class OrtModel:
             state[name] = np.full(self._shape(e, batch), fill, dtype=_np_dtype(e["dtype"]))
         return state
 
+    def written(self, state: dict, length: int) -> dict:
+        """`state` with each KV buffer cut to its first `length` rows, the part a forward has written."""
+        return {n: v[:, :, :length] if self.entries[n]["role"].startswith("kv") else v for n, v in state.items()}
+
     def forward(self, state: dict, ids, past_len: int) -> Step:
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         t = ids.shape[1]
@@ -82,13 +89,13 @@ class OrtModel:
         names = [o.name for o in self.fwd.get_outputs()]
         out = dict(zip(names, self.fwd.run(None, feeds)))
         new_state = {name: out[e["output"]] for name, e in self.entries.items()}
-        rollback = {r["name"]: out[r["name"]] for r in self.manifest.rollback_data}
-        return Step(out["logits"], new_state, rollback)
+        packed = self.manifest.rollback_data
+        return Step(out["logits"], new_state, out[packed["name"]] if packed else None)
 
-    def replay(self, state: dict, rollback: dict, j: int) -> dict:
+    def replay(self, state: dict, rollback: np.ndarray, j: int) -> dict:
         """Advance the conv/recurrent part of `state` over the first j tokens of a forward's rollback data."""
         feeds = {n: state[n] for n in self.recurrent_names}
-        feeds.update({n: np.ascontiguousarray(v[:, :j]) for n, v in rollback.items()})
+        feeds[self.manifest.rollback_data["name"]] = np.ascontiguousarray(rollback[:, :j])
         names = [o.name for o in self.replay_session.get_outputs()]
         out = dict(zip(names, self.replay_session.run(None, feeds)))
         return {n: out[self.entries[n]["output"]] for n in self.recurrent_names}
@@ -97,10 +104,14 @@ class OrtModel:
 class HfModel:
     """transformers with a cache, reporting states in the manifest's layouts (see the module docstring)."""
 
-    def __init__(self, folder: Path):
-        self.model = load_hf(folder)
+    def __init__(self, model):
+        self.model = model
         self.cache = None
         self.length = 0
+
+    @classmethod
+    def load(cls, folder: Path, dtype: torch.dtype = torch.float32) -> "HfModel":
+        return cls(load_hf(folder, dtype))
 
     @torch.no_grad()
     def forward(self, ids) -> np.ndarray:
@@ -134,3 +145,42 @@ def compare_states(actual: dict, expected: dict, entries: dict, length: int, rto
         if entries[name]["role"].startswith("kv"):
             act = act[:, :, :length]
         assert_close(f"{what}{name}", act, exp, rtol)
+
+
+def fp32_activations(folder: Path) -> bytes:
+    """model.onnx with every MatMulNBits at accuracy_level 0: int4 weights, float32 activations.
+
+    The export sets accuracy_level 4, which lets the CPU kernel quantize activations to int8; with 0, the graph must
+    compute exactly what the dequantized weights compute."""
+    model = onnx.load(str(Path(folder) / "model.onnx"))
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 0
+    return model.SerializeToString()
+
+
+@torch.no_grad()
+def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
+    """Replace, in place, every weight the int4 export quantizes by its dequantized value (export/quant.py).
+
+    That is: every nn.Linear whose in_features is a multiple of the block size (the tied output projection too,
+    so the input embedding is untied first), and MoE expert tensors when hidden and expert widths both are and the
+    router renormalises its top-k (the conditions under which Decoder.moe uses QMoE)."""
+    emb = model.get_input_embeddings()
+    emb.weight = torch.nn.Parameter(emb.weight.detach().clone())
+
+    def rt(w: torch.Tensor) -> torch.Tensor:
+        a = w.float().numpy()
+        return torch.from_numpy(dequantize_int4(*quantize_int4(a, block_size), a.shape[1]))
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.in_features % block_size == 0:
+            module.weight.copy_(rt(module.weight))
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and model.config.norm_topk_prob:
+            hidden, inter = module.down_proj.shape[1:]
+            if hidden % block_size == 0 and inter % block_size == 0:
+                for p in (module.gate_up_proj, module.down_proj):
+                    p.copy_(torch.stack([rt(e) for e in p]))
+    return model

@@ -51,7 +51,7 @@ SPECS = {
         hidden_size=96, intermediate_size=120, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=24, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=56,
         decoder_sparse_step=1, mlp_only_layers=[2], norm_topk_prob=True, tie_word_embeddings=False, **_GDN)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         hidden_size=64, intermediate_size=136, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -63,6 +63,11 @@ SPECS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)),
 }
 MODEL_TYPES = tuple(SPECS)
+# Large weights make greedy output varied but also amplify float32 rounding. Measured over 70-token prefills, as
+# the worst error of transformers and of onnxruntime (each in float32) relative to the tensor's scale: Qwen3.5 at 0.2
+# reaches 9e-5 (at one position of one prompt), at 0.15 stays under 3.5e-5; Qwen3-Next
+# (MoE plus a sigmoid-gated shared expert grow the residual stream faster) at 0.2 reaches 3e-4, at 0.1 2e-5.
+_INIT = {"qwen3_next": 0.1, "qwen3_5_text": 0.15, "qwen3_5": 0.15}
 
 
 def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
@@ -81,10 +86,11 @@ def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
     return tok
 
 
-def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range: float = 0.2,
+def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range: float | None = None,
               vocab_size: int = VOCAB, **overrides) -> Path:
     """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`."""
     config_cls, model_cls, kwargs = SPECS[model_type]
+    initializer_range = initializer_range or _INIT.get(model_type, 0.2)
     kwargs = {**kwargs, **overrides}
     common = dict(vocab_size=vocab_size, initializer_range=initializer_range, eos_token_id=0, bos_token_id=0,
                   pad_token_id=0, max_position_embeddings=512)
@@ -118,9 +124,11 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
                 module.weight.add_(torch.randn(module.weight.shape, generator=gen) * 0.2)
 
 
-def load_hf(folder: Path):
-    """The saved tiny (or real) checkpoint as a float32 transformers model in eval mode, eager attention."""
+def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
+    """A saved tiny (or real) checkpoint as a transformers model in eval mode: eager attention, eager experts
+    (the plain per-expert loop, which also runs in float64)."""
     config = transformers.AutoConfig.from_pretrained(folder)
     cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration}.get(config.model_type,
                                                                          transformers.AutoModelForCausalLM)
-    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    extra = {"experts_implementation": "eager"} if config.model_type == "qwen3_next" else {}
+    return cls.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **extra).eval()

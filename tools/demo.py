@@ -54,6 +54,16 @@ def _cached(folder: Path) -> bool:
         return False
 
 
+def _valid(folder: Path) -> bool:
+    """A cached export this snapspec can load (an export by another version is redone)."""
+    from snapspec import manifest
+    try:
+        manifest.load(folder)
+        return True
+    except SnapspecError:
+        return False
+
+
 def default_prompt() -> str:
     path = _demo_root() / "prompts.jsonl"
     if path.exists():
@@ -66,7 +76,7 @@ def add_parser(sub, runtime_flags):
     p = sub.add_parser("demo", help="plain vs speculative decoding on the embedded demo pair")
     p.add_argument("--prompt", default=None)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--draft-max", type=int, default=4)
+    p.add_argument("--draft-max", default="auto", help="draft length k, or auto (default: the cost model picks)")
     runtime_flags(p)
 
 
@@ -82,10 +92,11 @@ def run(args) -> int:
         args.threads = 1
     t_dir, d_dir = exported_pair(log=lambda m: con.print(f"[dim]{m}[/]"))
     target, drafter = load_models(args, t_dir, d_dir)
+    draft_max = args.draft_max if args.draft_max == "auto" else int(args.draft_max)
     prompt = args.prompt or default_prompt()
     ids = target.encode(prompt)
     runs = {}
-    for label, kwargs in (("plain", {}), ("speculative", {"drafter": drafter, "draft_max": args.draft_max})):
+    for label, kwargs in (("plain", {}), ("speculative", {"drafter": drafter, "draft_max": draft_max})):
         Generator(target, ids, max_new_tokens=8, **kwargs).run()  # warm-up: first-call allocations
         g = Generator(target, ids, max_new_tokens=args.max_new_tokens, **kwargs)
         g.run()
@@ -97,17 +108,18 @@ def run(args) -> int:
         con.rule(label)
         con.print(final_text(g), markup=False, highlight=False)
     t = Table(title="demo pair (Qwen3.5 architecture: Gated DeltaNet + gated attention)")
-    for col in ("", "tokens", "tok/s (decode)", "acceptance", "tokens/round", "rollback modes"):
+    for col in ("", "tokens", "tok/s (decode)", "acceptance", "tokens/round", "draft lengths", "rollback modes"):
         t.add_column(col)
     for label, g in runs.items():
         s = g.stats
         t.add_row(label, str(s.new_tokens), f"{s.decode_tokens_per_s or 0:.1f}",
                   f"{s.acceptance:.2f}" if s.acceptance is not None else "-",
                   f"{s.mean_emitted:.2f}" if s.mean_emitted else "1.00",
+                  ", ".join(f"k={k} x{v}" for k, v in sorted(s.draft_lengths.items())) or "-",
                   ", ".join(f"{k} x{v}" for k, v in sorted(s.rollbacks.items())) or "-")
     con.print(t)
     same = plain.tokens == spec.tokens
     speedup = (spec.stats.decode_tokens_per_s or 0) / (plain.stats.decode_tokens_per_s or 1)
-    con.print(f"speedup {speedup:.2f}x at k={args.draft_max} on {', '.join(target.providers_used())}; "
+    con.print(f"speedup {speedup:.2f}x (draft length {args.draft_max}) on {', '.join(target.providers_used())}; "
               f"speculative text {'equals' if same else 'DIFFERS FROM'} plain greedy text")
     return 0 if same else 1

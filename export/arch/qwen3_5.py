@@ -15,6 +15,7 @@ from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
 from .common import lm_head, residual_stack
+from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
@@ -57,14 +58,14 @@ def spec(config: dict) -> Spec:
     interval = config.get("full_attention_interval", 4)
     layer_types = config.get("layer_types") or [
         "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
-    rope = config.get("rope_parameters") or {}
+    rope = rope_parameters(config, 10000.0)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
     return Spec(
         hidden=config["hidden_size"], layers=n, layer_types=tuple(layer_types),
         intermediate=config["intermediate_size"], vocab=config["vocab_size"], eps=config.get("rms_norm_eps", 1e-6),
         heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"], head_dim=head_dim,
-        rotary_dim=int(head_dim * partial), rope_theta=rope.get("rope_theta", config.get("rope_theta", 1e7)),
+        rotary_dim=int(head_dim * partial), rope_theta=float(rope["rope_theta"]),
         max_positions=config.get("max_position_embeddings", 32768),
         k_heads=config["linear_num_key_heads"], v_heads=config["linear_num_value_heads"],
         k_dim=config["linear_key_head_dim"], v_dim=config["linear_value_head_dim"],
@@ -93,7 +94,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     def mixer(x: str, i: int) -> str:
         p = f"layers.{i}."
         if s.layer_types[i] == "full_attention":
-            with g.scope(f"model/layers.{i}/self_attn"):
+            with g.scope("self_attn"):
                 qg = w.get(p + "self_attn.q_proj.weight", (2 * s.heads * hd, D)).reshape(s.heads, 2, hd, D)
                 return dec.attention(
                     x, i, qg[:, 0].reshape(-1, D), w.get(p + "self_attn.k_proj.weight", (s.kv_heads * hd, D)),
@@ -105,7 +106,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
                     gate_w=qg[:, 1].reshape(-1, D), rotary=rotary)
         a = p + "linear_attn."
         kd, vd = s.k_heads * s.k_dim, s.v_heads * s.v_dim
-        with g.scope(f"model/layers.{i}/linear_attn"):
+        with g.scope("linear_attn"):
             return dec.gated_deltanet(
                 x, i, qkv_w=w.get(a + "in_proj_qkv.weight", (2 * kd + vd, D)),
                 z_w=w.get(a + "in_proj_z.weight", (vd, D)), b_w=w.get(a + "in_proj_b.weight", (s.v_heads, D)),
@@ -117,10 +118,9 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
 
     def ffn(x: str, i: int) -> str:
         p = f"layers.{i}.mlp."
-        with g.scope(f"model/layers.{i}"):
-            return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                              w.get(p + "up_proj.weight", (s.intermediate, D)),
-                              w.get(p + "down_proj.weight", (D, s.intermediate)))
+        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
+                          w.get(p + "up_proj.weight", (s.intermediate, D)),
+                          w.get(p + "down_proj.weight", (D, s.intermediate)))
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
                        lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer, ffn, norm("norm.weight"))

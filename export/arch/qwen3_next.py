@@ -8,7 +8,7 @@ Unusual here:
 - q_proj interleaves query and output gate per head; RoPE is plain (1-D) partial rotate-half, factor 0.25 default.
 - Feed-forwards are a sparse MoE (softmax router, top-k, optional renormalisation) plus a shared SwiGLU expert
   scaled by a sigmoid gate, except layers in `mlp_only_layers` or off the `decoder_sparse_step` grid, which are
-  dense. The MoE runs as one com.microsoft MoE node (QMoE under int4 when the sizes divide the block size): it
+  dense. The MoE runs as one com.microsoft MoE node (QMoE under int4, see Decoder.moe for when): it
   computes only the selected experts, has CPU, CUDA and WebGPU kernels, and matched a NumPy reference to ~4e-6.
   A dense all-experts formulation in standard ops would cost num_experts / top_k times the compute.
 - Expert weights are read per expert (`experts.{e}.gate_proj.weight`, the on-disk format) or fused
@@ -161,7 +161,8 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
         gate, up, down = _experts(w, p, s)
         with g.scope("mlp"):
             return dec.moe(x, router_w=w.get(p + "gate.weight", (s.experts, D)), gate_w=gate, up_w=up, down_w=down,
-                           top_k=s.top_k, normalize=s.norm_topk, shared=mlp(p + "shared_expert.", s.shared_intermediate),
+                           top_k=s.top_k, normalize=s.norm_topk,
+                           shared=mlp(p + "shared_expert.", s.shared_intermediate),
                            shared_gate_w=w.get(p + "shared_expert_gate.weight", (1, D)))
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),

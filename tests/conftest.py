@@ -1,0 +1,63 @@
+"""Session-wide fixtures: tiny random checkpoints and their exports, built once per test session.
+
+    tiny_model("lfm2")                    -> Path of a saved tiny HF checkpoint (see tests/tiny.py)
+    tiny_export("lfm2", quant="int4")     -> Path of its exported folder (snapspec.export.export keyword arguments)
+    hf_model("lfm2")                      -> the float32 transformers model loaded from tiny_model("lfm2")
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import load_hf, make_tiny  # noqa: E402
+
+
+def _key(name: str, kwargs: dict) -> tuple:
+    return (name, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    built: dict[tuple, Path] = {}
+
+    def get(model_type: str, **overrides) -> Path:
+        key = _key(model_type, overrides)
+        if key not in built:
+            built[key] = make_tiny(model_type, tmp_path_factory.mktemp(f"hf-{model_type}"), **overrides)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_model, tmp_path_factory):
+    from snapspec.export import export
+
+    built: dict[tuple, Path] = {}
+
+    def get(model_type: str, **export_kwargs) -> Path:
+        key = _key(model_type, export_kwargs)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"export-{model_type}") / "out"
+            export(tiny_model(model_type), out, log=lambda *a: None, **export_kwargs)
+            built[key] = out
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    loaded = {}
+
+    def get(model_type: str):
+        if model_type not in loaded:
+            loaded[model_type] = load_hf(tiny_model(model_type))
+        return loaded[model_type]
+
+    return get
