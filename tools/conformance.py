@@ -190,7 +190,10 @@ def run(args) -> int:
         return _report(con, Table, checks, {}, args)
     target, drafter = load_models(args, args.target, args.drafter)
     checks += run_checks(target, drafter, args.window, args.new_tokens)
-    placement = {"target": target.providers_used(), **({"drafter": drafter.providers_used()} if drafter else {})}
+    from snapspec.runtime.placement import node_placement
+    placement = {"target": {"session": target.providers_used(), **node_placement(args.target, target.ep)}}
+    if drafter:
+        placement["drafter"] = {"session": drafter.providers_used(), **node_placement(args.drafter, drafter.ep)}
     return _report(con, Table, checks, placement, args)
 
 
@@ -201,8 +204,10 @@ def _report(con, Table, checks, placement, args) -> int:
     for c in checks:
         table.add_row(c.name, c.where, "[green]pass[/]" if c.passed else "[red]FAIL[/]", c.detail, f"{c.seconds:.1f}")
     con.print(table)
-    if placement:
-        con.print("providers: " + "; ".join(f"{k}: {', '.join(v)}" for k, v in placement.items()))
+    for part, p in placement.items():
+        nodes = ", ".join(f"{n} nodes on {prov}" for prov, n in p["providers"].items())
+        fell = [f"{op} x{n}" for op, n in p["cpu_ops"].items()] if len(p["providers"]) > 1 else []
+        con.print(f"{part}: {nodes}" + (f"; on CPU: {', '.join(fell)}" if fell else ""))
     ok = all(c.passed for c in checks)
     if args.json_out:
         args.json_out.write_text(json.dumps({"passed": ok, "checks": [asdict(c) for c in checks],
