@@ -164,6 +164,16 @@ class Generator:
         n = len(self.seq)  # the last accepted token t0 = seq[n-1] is consumed by neither context yet
         bounded = self._bounded(k)
         if not bounded:
+            # A restore left each context at its checkpoint: re-decode the tokens accepted since (all but t0) before
+            # the new checkpoint, or every later round would re-decode everything since the first one.
+            with st.timed("rollback"):
+                for ctx in (tctx, dctx):
+                    if ctx.n_past < n - 1:
+                        ctx.forward(self.seq[ctx.n_past:n - 1])
+                        if ctx is tctx:
+                            st.target_forwards += 1
+                        else:
+                            st.drafter_forwards += 1
             tctx.checkpoint()
             dctx.checkpoint()
         with st.timed("draft"):

@@ -104,6 +104,16 @@ def load(folder: Path | str, verify: bool = True) -> Manifest:
     if verify and data.get(SELF_KEY) != _self_digest(data):
         raise SnapspecError(f"checksum mismatch for {path}: the manifest was edited after export or was written by "
                             "an older snapspec (re-export the model)")
+    try:
+        _check_files(folder, path, data, verify)
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # a hand-made manifest of the wrong shape
+        raise SnapspecError(f"malformed manifest {path}: {type(exc).__name__}: {exc}") from None
+    except OSError as exc:
+        raise SnapspecError(f"cannot read a file that {path} lists: {exc}") from None
+    return Manifest(folder, data)
+
+
+def _check_files(folder: Path, path: Path, data: dict, verify: bool) -> None:
     root = folder.resolve()
     for name, info in data["files"].items():
         file = (folder / name).resolve()
@@ -123,7 +133,6 @@ def load(folder: Path | str, verify: bool = True) -> Manifest:
                 raise SnapspecError(f"{entry['file']} in {folder} reads external data from {location!r}, which is not "
                                     "a checksummed file of the folder (a path outside it, or an unlisted file); "
                                     "refusing to load it")
-    return Manifest(folder, data)
 
 
 # -- external data of an ONNX graph, read from the protobuf wire format -------------------------------------------

@@ -54,16 +54,6 @@ def _cached(folder: Path) -> bool:
         return False
 
 
-def _valid(folder: Path) -> bool:
-    """A cached export this snapspec can load (an export by another version is redone)."""
-    from snapspec import manifest
-    try:
-        manifest.load(folder)
-        return True
-    except SnapspecError:
-        return False
-
-
 def default_prompt() -> str:
     path = _demo_root() / "prompts.jsonl"
     if path.exists():
