@@ -8,7 +8,8 @@
 
 from .context import Context, RollbackError
 from .generation import Generator, final_text, generate, stream_text
-from .model import PROVIDERS, Model, load
+from .model import Model, load
+from .providers import PROVIDERS
 from .sampling import SamplingParams
 from .stats import Stats
 

@@ -13,7 +13,7 @@ import onnxruntime as ort
 
 from snapspec import SnapspecError, manifest
 
-from .providers import DEVICE, PROVIDERS, configure
+from .providers import DEVICE, configure
 
 _NP = {"float32": np.float32, "float16": np.float16}
 
