@@ -144,3 +144,12 @@ def test_demo_runs_offline(tmp_path, monkeypatch, capsys):
     assert list(tmp_path.glob("snapspec/demo-target-*/snapspec.json"))
     assert main(["demo", "--max-new-tokens", "8"]) == 0  # second run reuses the export
     assert "exporting" not in capsys.readouterr().out
+
+
+def test_doctor_explains_each_provider(capsys):
+    assert main(["doctor", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["verdict"]["cpu"] == "available"
+    assert set(info["verdict"]) == {"cpu", "cuda", "webgpu", "dml", "coreml"}
+    for ep, why in info["verdict"].items():
+        assert why.startswith("available") == (ep in info["snapspec_providers"]), (ep, why)

@@ -71,10 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=positive_int, default=None, help="rollback window for the memory estimate")
     p.add_argument("--json", action="store_true")
 
-    from . import bench, conformance, demo  # noqa: E402  (subcommands that register their own flags)
-    bench.add_parser(sub, add_runtime_flags)
-    conformance.add_parser(sub, add_runtime_flags)
-    demo.add_parser(sub, add_runtime_flags)
+    from . import bench, conformance, demo, doctor  # noqa: E402  (subcommands that register their own flags)
+    for module in (bench, conformance, demo, doctor):
+        module.add_parser(sub, add_runtime_flags)
     return parser
 
 
@@ -168,7 +167,8 @@ def _lazy(module: str, func: str):
 
 
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "info": cmd_info,
-            "bench": _lazy("bench", "run"), "conformance": _lazy("conformance", "run"), "demo": _lazy("demo", "run")}
+            "bench": _lazy("bench", "run"), "conformance": _lazy("conformance", "run"), "demo": _lazy("demo", "run"),
+            "doctor": _lazy("doctor", "run")}
 
 if __name__ == "__main__":
     sys.exit(main())
