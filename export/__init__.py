@@ -11,6 +11,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -65,7 +66,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"))
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
-    module.build(dec, weights, spec, ctx)
+    with _progress(ckpt, weights, log):
+        module.build(dec, weights, spec, ctx)
     dec.finish()
     weights.check_covered()
 
@@ -95,6 +97,23 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         raise
     log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s, peak memory {_peak_mb():.0f} MB")
     return manifest.Manifest(out_dir, result.data)
+
+
+@contextmanager
+def _progress(ckpt: Checkpoint, weights: Weights, log):
+    """A progress bar over the tensors read, on a terminal or for checkpoints over 1 GB (tiny ones finish first)."""
+    if log is None or not (sys.stderr.isatty() or ckpt.total_bytes() > 2**30):
+        yield
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("reading weights", total=len(ckpt.names()))
+        weights.on_read = lambda name: bar.advance(task)
+        try:
+            yield
+        finally:
+            weights.on_read = None
 
 
 def _save(model: onnx.ModelProto, path: Path) -> None:

@@ -14,11 +14,12 @@ from .checkpoint import Checkpoint
 
 
 class Weights:
-    def __init__(self, ckpt: Checkpoint, prefix: str, ignore: tuple[str, ...] = ()):
+    def __init__(self, ckpt: Checkpoint, prefix: str, ignore: tuple[str, ...] = (), on_read=None):
         self.ckpt = ckpt
         self.prefix = prefix
         self.ignore = [re.compile(p) for p in ignore]
         self.used: set[str] = set()
+        self.on_read = on_read  # progress callback: called with each tensor's name as it is read
 
     def has(self, name: str) -> bool:
         return self.prefix + name in self.ckpt
@@ -37,6 +38,8 @@ class Weights:
             raise SnapspecError(f"tensor {full} has shape {tuple(actual)}, config implies {tuple(shape)}: "
                                 "config.json and the weights disagree")
         self.used.add(full)
+        if self.on_read is not None:
+            self.on_read(full)
         return self.ckpt.get(full)
 
     def check_covered(self) -> None:
