@@ -153,3 +153,17 @@ def test_doctor_explains_each_provider(capsys):
     assert set(info["verdict"]) == {"cpu", "cuda", "webgpu", "dml", "coreml"}
     for ep, why in info["verdict"].items():
         assert why.startswith("available") == (ep in info["snapspec_providers"]), (ep, why)
+
+
+def test_bench_vs_genai(tiny_export, tmp_path):
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (the genai extra)")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    out = tmp_path / "b.json"
+    code = main(["bench", "--target", str(tiny_export("qwen3_5_text")), "--drafter", str(tiny_export("qwen3")),
+                 "--prompts", str(prompts), "--k", "2", "--reps", "1", "--max-new-tokens", "16", "--threads", "1",
+                 "--rollback", "auto", "--vs-genai", "--json", str(out)])
+    assert code == 0
+    g = json.loads(out.read_text())["genai"]
+    assert g["text_matches_snapspec_plain"] and g["plain_tokens_per_s"]["median"] > 0
+    assert "RewindTo" in g["draft_speculation_answer"]  # genai cannot roll a Qwen3.5 target's state back

@@ -132,7 +132,8 @@ def provenance(target, drafter, threads) -> dict:
 
 
 def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tokens: int = 128, reps: int = 3,
-              rollback: str = "auto", adaptive: bool = True, threads=None, progress=None) -> dict:
+              rollback: str = "auto", adaptive: bool = True, threads=None, progress=None,
+              vs_genai: bool = False) -> dict:
     from snapspec.runtime import Context, Generator
     from snapspec.runtime.adaptive import measure_costs
 
@@ -168,7 +169,7 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
             progress and progress()
         return tokens_per_s(toks, secs), outs
 
-    plain_a, plain_b, drift = [], [], []
+    plain_a, plain_b, drift, genai_tps = [], [], [], []
     reference = None
     for rep in range(reps):
         tps_a, outs = plain_pass()
@@ -190,6 +191,13 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
                 progress and progress()
             per_config.append((cfg, tokens_per_s(toks, secs), st, secs))
         tps_b, _ = plain_pass()
+        if vs_genai:
+            from . import genai_compare
+            tps_g, outs_g = genai_compare.plain_pass(target.folder, ids, max_new_tokens, threads)
+            for n, (out, ref) in enumerate(zip(outs_g, reference)):
+                check_same(ref, out, f"onnxruntime-genai plain decoding, prompt {n}")
+            genai_tps.append(tps_g)
+            progress and [progress() for _ in ids]
         plain_a.append(tps_a)
         plain_b.append(tps_b)
         drift.append(bracket_drift(tps_a, tps_b))
@@ -227,7 +235,19 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
     fixed = [r for r in rows if r["k"] != "auto" and r["rollback"] == "auto"]
     best = max(fixed, key=lambda r: r["speedup"]["median"]) if fixed else None
     auto = next((r for r in rows if r["k"] == "auto"), None)
+    genai = None
+    if vs_genai:
+        from . import genai_compare
+        base = [(a + b) / 2 for a, b in zip(plain_a, plain_b)]
+        genai = {"plain_tokens_per_s": spread(genai_tps),
+                 "snapspec_plain_over_genai": spread([b / g for b, g in zip(base, genai_tps)]),
+                 "text_matches_snapspec_plain": True,
+                 "draft_speculation_answer": genai_compare.draft_answer(target.folder, drafter.folder, ids[0])}
+        if best := max((c for c in configs if c.k != "auto" and c.rollback == "auto"),
+                       key=lambda c: np.median(c.speedup), default=None):
+            genai["snapspec_best_speculative_over_genai"] = spread([t / g for t, g in zip(best.tps, genai_tps)])
     return {
+        "genai": genai,
         "plain": {"before": spread(plain_a), "after": spread(plain_b), "drift": spread(drift)},
         "cost_model": {"C": costs.C, "c": costs.c, "r": costs.r, "target_step_ms": costs.step_seconds * 1e3},
         "configs": rows,
@@ -253,6 +273,8 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rollback", choices=["auto", "checkpoint", "both"], default="both")
+    p.add_argument("--vs-genai", action="store_true",
+                   help="also time onnxruntime-genai's plain decoding of the target folder, in the same run")
     p.add_argument("--json", type=Path, dest="json_out")
     p.add_argument("--plot", type=Path)
     runtime_flags(p)
@@ -283,12 +305,12 @@ def run(args) -> int:
     check_pair(target, drafter)
     con = Console(stderr=True)
     n_cfg = len(ks) * (2 if args.rollback == "both" else 1) + (args.draft_max == "auto")
-    total = args.reps * len(prompts) * (n_cfg + 2)
+    total = args.reps * len(prompts) * (n_cfg + 2 + args.vs_genai)
     with Progress(console=con, transient=True) as bar:
         task = bar.add_task("bench", total=total)
         result = run_bench(target, drafter, prompts, ks, max_new_tokens=args.max_new_tokens, reps=args.reps,
                            rollback=args.rollback, adaptive=args.draft_max == "auto", threads=args.threads,
-                           progress=lambda: bar.advance(task))
+                           progress=lambda: bar.advance(task), vs_genai=args.vs_genai)
     result["provenance"] = provenance(target, drafter, args.threads)
     result["command"] = "snapspec " + " ".join(sys.argv[1:])
     print_table(result)
@@ -326,6 +348,14 @@ def print_table(result: dict) -> None:
                   f"{pred:.2f}x" if pred else "-", f"{r['acceptance']:.3f}", f"{r['mean_emitted_per_round']:.2f}",
                   f"{r['rollback_time_share']:.1%}", ", ".join(f"{k} {v}" for k, v in sorted(r["rollbacks"].items())))
     con.print(t)
+    if result.get("genai"):
+        gq = result["genai"]
+        con.print(f"onnxruntime-genai plain decoding: {gq['plain_tokens_per_s']['median']:.1f} tok/s (same tokens); "
+                  f"snapspec plain / genai {gq['snapspec_plain_over_genai']['median']:.2f}x"
+                  + (f", snapspec best speculative / genai "
+                     f"{gq['snapspec_best_speculative_over_genai']['median']:.2f}x"
+                     if "snapspec_best_speculative_over_genai" in gq else ""))
+        con.print(f"onnxruntime-genai asked for draft-model speculation on this pair: {gq['draft_speculation_answer']}")
     if result.get("best_fixed"):
         con.print(f"best fixed: {result['best_fixed']['label']} at {result['best_fixed']['speedup']:.2f}x" +
                   (f"; adaptive k reaches {result['adaptive_vs_best']:.1%} of it" if result["adaptive_vs_best"]

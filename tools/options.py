@@ -36,7 +36,7 @@ def load_models(args, target_dir, drafter_dir=None):
         return target, None
     try:
         drafter = load(drafter_dir, args.ep, allow_fallback=args.allow_fallback,
-                       threads=args.drafter_threads or args.threads)
+                       threads=args.drafter_threads or args.threads, spin=False)
     except SnapspecError as exc:
         raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
     return target, drafter
