@@ -243,9 +243,9 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
                  "snapspec_plain_over_genai": spread([b / g for b, g in zip(base, genai_tps)]),
                  "text_matches_snapspec_plain": True,
                  "draft_speculation_answer": genai_compare.draft_answer(target.folder, drafter.folder, ids[0])}
-        if best := max((c for c in configs if c.k != "auto" and c.rollback == "auto"),
+        if best_cfg := max((c for c in configs if c.k != "auto" and c.rollback == "auto"),
                        key=lambda c: np.median(c.speedup), default=None):
-            genai["snapspec_best_speculative_over_genai"] = spread([t / g for t, g in zip(best.tps, genai_tps)])
+            genai["snapspec_best_speculative_over_genai"] = spread([t / g for t, g in zip(best_cfg.tps, genai_tps)])
     return {
         "genai": genai,
         "plain": {"before": spread(plain_a), "after": spread(plain_b), "drift": spread(drift)},
