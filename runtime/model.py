@@ -77,24 +77,17 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     the target's). Replay sessions never spin.
     """
     m = manifest.load(folder, verify=verify)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    if threads:
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    # Memory patterns are cached per input shape, and the attention mask has a new shape at every position: with
-    # them on, resident memory grows ~6 KB per position decoded (tests/test_long_run.py), at no gain in speed.
-    opts.enable_mem_pattern = False
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    opts = _options(threads, spin)
     used_ep, providers = configure(ep, opts, allow_fallback)
     if used_ep == "cuda":
         _check_cuda_support(m)
     session = _session(m.graph_path("forward"), opts, providers)
-    replay_path = m.graph_path("replay")
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    replay = _session(replay_path, opts, providers) if replay_path is not None else None
+    replay, replay_path = None, m.graph_path("replay")
+    if replay_path is not None:
+        replay_opts = _options(threads, spin=False)
+        if providers is None:  # a plugin EP: its device is added to each session's options
+            configure(used_ep, replay_opts, allow_fallback)
+        replay = _session(replay_path, replay_opts, providers)
     tok_path = m.folder / "tokenizer.json"
     if not tok_path.exists():
         raise SnapspecError(f"{m.folder} has no tokenizer.json")
@@ -107,6 +100,21 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     if used_ep != ep:
         model.notes.append(f"requested {ep}, running on {used_ep} (--allow-fallback)")
     return model
+
+
+def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Memory patterns are cached per input shape, and the attention mask has a new shape at every position: with
+    # them on, resident memory grows ~6 KB per position decoded (tests/test_long_run.py), at no gain in speed.
+    opts.enable_mem_pattern = False
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    return opts
 
 
 def _session(path: Path, opts: ort.SessionOptions, providers: list[str] | None) -> ort.InferenceSession:
