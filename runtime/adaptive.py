@@ -82,15 +82,16 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
 
     for n in range(1, n_max + 1):  # warm up every shape once
         target_forward(n)
-    raw = []
-    for n in range(1, n_max + 1):
-        ts = []
-        for _ in range(reps):
+    # Sizes interleaved within each repetition, so a slow spell of a shared machine spreads over all of them
+    # instead of landing on one n.
+    times = [[] for _ in range(n_max)]
+    for _ in range(reps):
+        for n in range(1, n_max + 1):
             t = time.perf_counter()
             tctx.forward(tokens[:n])
-            ts.append(time.perf_counter() - t)
+            times[n - 1].append(time.perf_counter() - t)
             tctx.rollback(tctx.n_past - n)
-        raw.append(float(np.median(ts)))
+    raw = [float(np.median(ts)) for ts in times]
     unit = raw[0]
 
     def drafter_step():
