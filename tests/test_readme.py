@@ -28,7 +28,7 @@ def test_readme_commands_run_as_written():
     assert len(commands) >= 9
     snapspec = Path(sys.executable).parent / "snapspec"
     for line in commands:
-        argv = shlex.split(line)
+        argv = shlex.split(line, comments=True)
         assert argv[0] == "snapspec", line
         done = subprocess.run([str(snapspec)] + argv[1:], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{line}\n{done.stderr[-2000:]}"
