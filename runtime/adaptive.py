@@ -60,58 +60,37 @@ class DraftLengthChooser:
         self.rejected = self.rejected * self.decay + (1 if j < k else 0)
 
 
-def _median_time(fn, reps: int) -> float:
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
-    """Time target forwards of n = 1..n_max tokens, a drafter step and a rollback on the live contexts.
-
-    Each measurement rolls back afterwards, so the contexts end where they started.
+    """Time target forwards of n = 1..n_max tokens, drafter steps and a rollback on the live contexts, in the
+    order a round runs them: each target forward is followed by two drafter steps, so both are timed with the
+    caches and thread pools as a round leaves them (timed apart, in warm loops, the drafter looked 25% cheaper
+    than it is inside rounds). Sizes are interleaved within each repetition, so a slow spell of a shared machine
+    spreads over all of them. Every measurement rolls back: the contexts end where they started.
     """
     tokens = list(tokens or [1] * n_max)
-
-    def target_forward(n):
-        tctx.forward(tokens[:n])
-        tctx.rollback(tctx.n_past - n)
-
-    for n in range(1, n_max + 1):  # warm up every shape once
-        target_forward(n)
-    # Sizes interleaved within each repetition, so a slow spell of a shared machine spreads over all of them
-    # instead of landing on one n.
-    times = [[] for _ in range(n_max)]
-    for _ in range(reps):
+    target_times = [[] for _ in range(n_max)]
+    drafter_times, rollback_times = [], []
+    for rep in range(reps + 1):  # repetition 0 warms every shape up and is not kept
         for n in range(1, n_max + 1):
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             tctx.forward(tokens[:n])
-            times[n - 1].append(time.perf_counter() - t)
-            tctx.rollback(tctx.n_past - n)
-    raw = [float(np.median(ts)) for ts in times]
-    unit = raw[0]
-
-    def drafter_step():
-        dctx.forward(tokens[:1])
-        dctx.rollback(dctx.n_past - 1)
-
-    c = _median_time(drafter_step, reps * 2)
-
-    def rollback_pair():
-        k = min(4, n_max - 1)
-        tctx.forward(tokens[: k + 1])
-        for _ in range(k):
+            t1 = time.perf_counter()
             dctx.forward(tokens[:1])
-        t = time.perf_counter()
-        tctx.rollback(tctx.n_past - k)
-        dctx.rollback(dctx.n_past - (k - 1))
-        spent = time.perf_counter() - t
-        tctx.rollback(tctx.n_past - 1)
-        dctx.rollback(dctx.n_past - 1)
-        return spent
-
-    r = float(np.median([rollback_pair() for _ in range(reps)]))
+            dctx.forward(tokens[:1])
+            t3 = time.perf_counter()
+            keep = 1 if n > 1 else 0  # a partial acceptance: both contexts roll back
+            tctx.rollback(tctx.n_past - (n - keep))
+            dctx.rollback(dctx.n_past - (2 - keep))
+            t4 = time.perf_counter()
+            tctx.rollback(tctx.n_past - keep)
+            dctx.rollback(dctx.n_past - keep)
+            if rep:
+                target_times[n - 1].append(t1 - t0)
+                drafter_times.append((t3 - t1) / 2)  # the first step after the target also pays the switch
+                if n > 1:
+                    rollback_times.append(t4 - t3)
+    raw = [float(np.median(ts)) for ts in target_times]
+    unit = raw[0]
+    c = float(np.median(drafter_times))
+    r = float(np.median(rollback_times)) if rollback_times else 0.0
     return Costs([x / unit for x in raw], c / unit, r / unit, unit)

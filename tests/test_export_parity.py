@@ -20,7 +20,7 @@ from tiny import MODEL_TYPES, VOCAB
 RTOL = 1e-4
 CONTEXT = 96  # KV buffer rows: room for the longest sequence a test writes (70 + 9)
 PREFIX = 20  # tokens prefilled before continuation tests
-PAIR_A = Path("/work/shared/models/pair-a")
+PAIR_A = Path(__file__).resolve().parents[2] / "shared" / "models" / "pair-a"  # ../shared beside the checkout
 
 
 def tokens(n: int, seed: int) -> np.ndarray:

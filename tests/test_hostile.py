@@ -24,7 +24,7 @@ from snapspec import SnapspecError, manifest
 from snapspec.runtime import Generator, load
 from snapspec.tools.cli import main
 
-PAIR_A = Path("/work/shared/models/pair-a")
+PAIR_A = Path(__file__).resolve().parents[2] / "shared" / "models" / "pair-a"  # ../shared beside the checkout
 PROMPT = "The quick brown fox"
 
 

@@ -33,7 +33,7 @@ import pytest
 
 from snapspec.runtime import Context, Generator, SamplingParams, load
 
-PAIR_A = Path("/work/shared/models/pair-a")
+PAIR_A = Path(__file__).resolve().parents[2] / "shared" / "models" / "pair-a"  # ../shared beside the checkout
 NEW_TOKENS = 3900
 CONTEXT = 4096
 THREADS = 2
