@@ -152,12 +152,6 @@ class Graph:
             self.split_tree(part, sz, names, axis, fan)
         return outputs
 
-    def cast_float(self, x: str, leaf: str = "Cast") -> str:
-        """Cast to the export float dtype (no-op node skipped for fp32)."""
-        if self.onnx_dtype == TensorProto.FLOAT:
-            return x
-        return self.op("Cast", [x], leaf, to=self.onnx_dtype)
-
     def to_model(self) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],

@@ -85,10 +85,6 @@ class Context:
         host = np.full(self._shape(spec), fill, dtype=dtype)
         return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
 
-    def state_bytes(self) -> int:
-        return sum(int(np.prod(v.shape())) * (4 if v.data_type() == "tensor(float)" else 2)
-                   for v in list(self.kv.values()) + [v for s in self.slots for v in s.values()])
-
     # -- position bookkeeping --------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Empty the sequence: position 0, zero recurrent state in slot 0."""

@@ -8,14 +8,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 from snapspec import SnapspecError, manifest
 
 from .providers import DEVICE, configure
 
-_NP = {"float32": np.float32, "float16": np.float16}
 
 log = logging.getLogger("snapspec")
 
@@ -40,10 +38,6 @@ class Model:
     @property
     def device(self) -> str:
         return DEVICE[self.ep]
-
-    @property
-    def float_dtype(self):
-        return _NP[self.manifest.data["export"]["dtype"]]
 
     @property
     def vocab_size(self) -> int:

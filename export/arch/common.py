@@ -30,6 +30,13 @@ def residual_stack(dec: Decoder, h: str, n_layers: int, eps: float,
     return x
 
 
+def gdn_layer_types(config: dict) -> tuple[str, ...]:
+    """Qwen3.5 / Qwen3-Next: `layer_types` when given, else full attention every `full_attention_interval` layers."""
+    n, interval = config["num_hidden_layers"], config.get("full_attention_interval", 4)
+    return tuple(config.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)])
+
+
 def lm_head(w: Weights, vocab: int, hidden: int, prefix: str) -> np.ndarray:
     """The output projection: `lm_head.weight` when the checkpoint has one, else the tied input embedding."""
     if w.has_abs("lm_head.weight"):

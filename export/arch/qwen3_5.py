@@ -14,7 +14,7 @@ import numpy as np
 from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
-from .common import lm_head, residual_stack
+from .common import gdn_layer_types, lm_head, residual_stack
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -55,9 +55,7 @@ def spec(config: dict) -> Spec:
                                                                                   "tie_word_embeddings", False))}
         prefix = "model.language_model."
     n = config["num_hidden_layers"]
-    interval = config.get("full_attention_interval", 4)
-    layer_types = config.get("layer_types") or [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    layer_types = gdn_layer_types(config)
     rope = rope_parameters(config, 10000.0)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))

@@ -24,7 +24,7 @@ import numpy as np
 from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
-from .common import lm_head, residual_stack
+from .common import gdn_layer_types, lm_head, residual_stack
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("qwen3_next",)
@@ -64,9 +64,7 @@ class Spec:
 
 def spec(config: dict) -> Spec:
     n = config["num_hidden_layers"]
-    interval = config.get("full_attention_interval", 4)
-    layer_types = config.get("layer_types") or [
-        "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    layer_types = gdn_layer_types(config)
     experts = config.get("num_experts", 512)
     step = config.get("decoder_sparse_step", 1)
     dense = set(config.get("mlp_only_layers") or [])
