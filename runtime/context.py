@@ -111,7 +111,9 @@ class Context:
         out_slot = self._next_slot() if self.slots else None
         b, order = self._forward_binding(self.cur if self.slots else None, out_slot)
         b.bind_cpu_input("input_ids", tokens)
-        b.bind_cpu_input("position_ids", np.arange(self.n_past, self.n_past + t, dtype=np.int64)[None])
+        positions = self.model.position_ids(self.n_past, t)
+        if positions is not None:
+            b.bind_cpu_input("position_ids", positions)
         b.bind_cpu_input("attention_mask", np.ones((1, self.n_past + t), dtype=np.int64))
         # Outputs whose shape depends on t are re-bound each call, so each run allocates them afresh.
         b.bind_output("logits", "cpu")  # sampling runs on the host: logits come back, state stays

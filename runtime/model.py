@@ -8,10 +8,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
 from snapspec import SnapspecError, manifest
 
+from . import genai_folder
 from .providers import DEVICE, configure
 
 
@@ -51,6 +53,14 @@ class Model:
     def has_recurrent(self) -> bool:
         return any(s["role"] in ("conv", "recurrent") for s in self.manifest.state)
 
+    def position_ids(self, start: int, t: int) -> np.ndarray | None:
+        """The forward's position_ids for t tokens from start: [1, T], or [R, 1, T] for a graph that takes R rows
+        (an onnxruntime-genai Qwen3.5: multimodal RoPE, text positions in every row), None for a graph without
+        the input (an onnxruntime-genai LFM2)."""
+        rows = self.manifest.data["graphs"]["forward"].get("position_rows", 1)
+        pos = np.arange(start, start + t, dtype=np.int64)[None]
+        return None if rows == 0 else pos if rows == 1 else np.ascontiguousarray(np.broadcast_to(pos, (rows, 1, t)))
+
     def providers_used(self) -> list[str]:
         return self.session.get_providers()
 
@@ -70,7 +80,7 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     running one needs (pair-a on 2 cores: speculation ran at 0.75x of plain with every pool spinning, 1.5x with only
     the target's). Replay sessions never spin.
     """
-    m = manifest.load(folder, verify=verify)
+    m = genai_folder.read_manifest(folder, verify)  # snapspec.json, or derived from an onnxruntime-genai folder
     opts = _options(threads, spin)
     used_ep, providers = configure(ep, opts, allow_fallback)
     if used_ep == "cuda":
@@ -93,6 +103,9 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     model = Model(m, used_ep, session, replay, tokenizer, threads, requested_ep=ep)
     if used_ep != ep:
         model.notes.append(f"requested {ep}, running on {used_ep} (--allow-fallback)")
+    if genai_folder.is_builder(m):
+        model.notes.append(genai_folder.note(m))
+        log.warning(model.notes[-1])
     return model
 
 
