@@ -9,6 +9,10 @@ runtime's allocator, the tests and `snapspec info` all read that table and nothi
 
 Recurrent blocks also emit rollback data: the per-token inputs of their state transition (conv inputs, decay,
 beta), which the replay graph built beside the forward graph uses to advance a saved state over an accepted prefix.
+
+With a state window W (onnxruntime's `state_window`, CUDA only) the conv and recurrent state gain a leading axis of
+W slots instead: slot j holds the state after token T - W + j of the call, and the next call reads slot W - 1. Rollback
+then picks a slot, and there is no rollback data and no replay graph.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class Decoder:
 
     fwd: Graph
     replay: Graph
+    state_window: int = 0  # W > 0: windowed conv / recurrent state (CUDA), no rollback data
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
     _rollback_values: list[str] = field(default_factory=list)
@@ -135,16 +140,25 @@ class Decoder:
         return cos, sin, rotary_dim
 
     # -- recurrent state helpers ------------------------------------------------------------------------------------
+    def _windowed(self, shape: list) -> list:
+        return [self.state_window] + shape if self.state_window else shape
+
+    def _window_attrs(self) -> dict:
+        return {"state_window": self.state_window} if self.state_window else {}
+
     def _conv_state(self, layer: int, channels: int, kernel: int) -> tuple[str, str]:
         shape = ["batch", kernel - 1, channels]
-        past = self.fwd.input(f"past_conv_state.{layer}", self.fwd.onnx_dtype, shape)
+        past = self.fwd.input(f"past_conv_state.{layer}", self.fwd.onnx_dtype, self._windowed(shape))
         self.replay.input(past, self.replay.onnx_dtype, shape)
         present = f"present_conv_state.{layer}"
-        self.state.append(StateEntry(past, present, "conv", layer, shape, self.dtype_name))
+        self.state.append(StateEntry(past, present, "conv", layer, self._windowed(shape), self.dtype_name))
+        self.fwd.output(present, present, self.fwd.onnx_dtype, self._windowed(shape))
         return past, present
 
     def _rollback_out(self, g: Graph, value: str, layer: int, kind: str, width: int) -> str:
         """Record a per-token transition input; `finish` packs them all into one output (one bind per call)."""
+        if self.state_window:
+            return ""
         offset = sum(r.width for r in self.rollback)
         self.rollback.append(RollbackEntry(kind, layer, offset, width))
         self._rollback_values.append(value)
@@ -166,10 +180,11 @@ class Decoder:
                          [f"rollback.{e.layer}.{e.kind}" for e in self.rollback], axis=-1)
 
     def _causal_conv(self, g: Graph, x: str, weight_name: str, state: str, present: str, activation: str,
-                     leaf: str = "conv") -> str:
-        out, _ = g.op("CausalConvWithState", [x, weight_name, "", state], leaf, n_out=2, domain=MS,
+                     leaf: str = "conv", bias: str = "") -> str:
+        window = self._window_attrs() if g is self.fwd else {}
+        out, _ = g.op("CausalConvWithState", [x, weight_name, bias, state], leaf, n_out=2, domain=MS,
                       outputs=[g._unique(g._path(leaf) + "/output_0"), present],
-                      activation=activation, channels_last=1)
+                      activation=activation, channels_last=1, **window)
         return out
 
     # -- Gated DeltaNet --------------------------------------------------------------------------------------------
@@ -187,7 +202,6 @@ class Decoder:
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
         conv_out = self._causal_conv(g, mixed, g.const("conv/weight", conv_weight), past_conv, present_conv, "silu")
-        g.output(present_conv, present_conv, g.onnx_dtype, ["batch", kernel - 1, conv_dim])
 
         beta = g.op("Sigmoid", [b], "beta")
         decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
@@ -198,12 +212,12 @@ class Decoder:
                                    (v, "value", v_heads * v_dim), (decay, "decay", v_heads), (beta, "beta", v_heads)):
             self._rollback_out(g, value, layer, kind, width)
 
-        past_rec = g.input(f"past_recurrent_state.{layer}", F32, ["batch", v_heads, k_dim, v_dim])
+        rec_shape = self._windowed(["batch", v_heads, k_dim, v_dim])
+        past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
         present_rec = f"present_recurrent_state.{layer}"
-        self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, ["batch", v_heads, k_dim, v_dim],
-                                     "float32"))
+        self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, rec_shape, "float32"))
         core = self._gated_delta(g, q, k, v, decay, beta, past_rec, present_rec, v_heads, k_dim)
-        g.output(present_rec, present_rec, F32, ["batch", v_heads, k_dim, v_dim])
+        g.output(present_rec, present_rec, F32, rec_shape)
 
         # Gated RMSNorm per value head, then the output projection.
         o = g.rms_norm(g.reshape(core, [0, 0, v_heads, v_dim], "o_heads"), norm_w, eps, "norm")
@@ -231,11 +245,22 @@ class Decoder:
         return qk[0], qk[1], v
 
     def _gated_delta(self, g: Graph, q, k, v, decay, beta, past, present, v_heads: int, k_dim: int) -> str:
+        """The gated delta rule, always in float32: the state is float32 (fp16 state drifts over long sequences) and
+        the CUDA and WebGPU kernels want the activations in the state's dtype, so fp16 inputs are cast up and the
+        output cast back. The rollback data keeps the fp16 values, so a replay sees exactly what the forward saw."""
+        fp16 = g.onnx_dtype != F32
+        if fp16:
+            up: dict[str, str] = {}
+            for t, n in ((q, "q"), (k, "k"), (v, "v"), (decay, "decay"), (beta, "beta")):
+                if t not in up:  # the replay passes k as q: one Cast
+                    up[t] = g.op("Cast", [t], f"{n}_f32", to=F32)
+            q, k, v, decay, beta = (up[t] for t in (q, k, v, decay, beta))
+        window = self._window_attrs() if g is self.fwd else {}
         out, _ = g.op("LinearAttention", [q, k, v, past, decay, beta], "LinearAttention", n_out=2, domain=MS,
                       outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
                       q_num_heads=v_heads, kv_num_heads=v_heads, update_rule="gated_delta",
-                      scale=float(k_dim ** -0.5))
-        return out
+                      scale=float(k_dim ** -0.5), **window)
+        return g.op("Cast", [out], "out_f16", to=g.onnx_dtype) if fp16 else out
 
     def _gdn_replay(self, layer, conv_weight, v_heads, k_dim, v_dim, kernel):
         """Advance conv and recurrent state over the first j tokens of the rollback data (q := k: the output of the
@@ -264,12 +289,8 @@ class Decoder:
         bx = g.op("Mul", [bg, xv], "bx")
         conv_weight = conv_w.reshape(hidden, 1, kernel)
         past, present = self._conv_state(layer, hidden, kernel)
-        wname = g.const("conv/weight", conv_weight)
-        inputs = [bx, wname, g.const("conv/bias", conv_b) if conv_b is not None else "", past]
-        conv_out, _ = g.op("CausalConvWithState", inputs, "conv", n_out=2, domain=MS,
-                           outputs=[g._unique(g._path("conv") + "/output_0"), present],
-                           activation="none", channels_last=1)
-        g.output(present, present, g.onnx_dtype, ["batch", kernel - 1, hidden])
+        conv_out = self._causal_conv(g, bx, g.const("conv/weight", conv_weight), past, present, "none",
+                                     bias=g.const("conv/bias", conv_b) if conv_b is not None else "")
         self._rollback_out(g, bx, layer, "conv_input", hidden)
         r = self.replay
         with r.scope(f"model/layers.{layer}/conv"):

@@ -6,7 +6,7 @@
     print(target.decode(gen.tokens), gen.stats.acceptance)
 """
 
-from .context import Context, RollbackError
+from .context import Context, RollbackError, default_mode
 from .generation import Generator, final_text, generate, stream_text
 from .model import Model, load
 from .providers import PROVIDERS
@@ -14,4 +14,4 @@ from .sampling import SamplingParams
 from .stats import Stats
 
 __all__ = ["Context", "Generator", "Model", "PROVIDERS", "RollbackError", "SamplingParams", "Stats", "final_text",
-           "generate", "load", "stream_text"]
+           "default_mode", "generate", "load", "stream_text"]

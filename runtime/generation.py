@@ -17,7 +17,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from .adaptive import Costs, DraftLengthChooser, measure_costs
-from .context import Context
+from .context import Context, default_mode
 from .model import Model
 from .sampling import SamplingParams, accept, check_finite, pick
 from .stats import Stats
@@ -69,11 +69,14 @@ class Generator:
                                 "(at least one new token must fit)")
         self.draft_max = draft_max
         self.rollback = rollback
-        self.tctx = target_ctx or Context(target, ctx_len, mode="replay" if target.replay else "ring",
-                                          window=self.window, poison=poison)
+        self.tctx = target_ctx or Context(target, ctx_len, mode=default_mode(target), window=self.window,
+                                          poison=poison)
         self.dctx = None
         if drafter is not None:
-            self.dctx = drafter_ctx or Context(drafter, ctx_len, mode="ring", window=self.window, poison=poison)
+            self.dctx = drafter_ctx or Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
+                                               window=self.window, poison=poison)
+            if self.tctx.slots:  # the deepest verify the target can undo without a checkpoint (a state window: W-1)
+                self.window = min(self.window, self.tctx.depth)
         self.ctx_len = min(self.tctx.max_len, self.dctx.max_len if self.dctx else self.tctx.max_len)
         self.tctx.reset()
         if self.dctx:
@@ -223,7 +226,12 @@ class Generator:
             self._warn_once("window", f"draft length {k} exceeds the rollback window {self.window}: such rounds "
                                       "take the checkpoint path (re-export with a larger --rollback-window)")
             return False
-        if self.tctx.slots and self.tctx.mode != "replay":
+        if self.dctx.mode == "window":
+            self._warn_once("drafter-window", f"{self.drafter.folder} was exported with --state-window, which cannot "
+                                              "undo one-token draft steps: every round takes the checkpoint path "
+                                              "(export the drafter without --state-window)")
+            return False
+        if self.tctx.slots and self.tctx.mode not in ("replay", "window"):
             self._warn_once("replay", f"{self.target.folder} has no replay graph: every round takes the checkpoint "
                                       "path (re-export it with this snapspec to enable bounded rollback)")
             return False

@@ -85,6 +85,9 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     used_ep, providers = configure(ep, opts, allow_fallback)
     if used_ep == "cuda":
         _check_cuda_support(m)
+    elif m.rollback.get("recurrent") == "window":
+        raise SnapspecError(f"{m.folder} was exported with --state-window, which onnxruntime runs on CUDA only; use "
+                            f"--ep cuda, or re-export without --state-window for {used_ep}")
     session = _session(m.graph_path("forward"), opts, providers)
     replay, replay_path = None, m.graph_path("replay")
     if replay_path is not None:
@@ -138,16 +141,20 @@ def _check_cuda_support(m: manifest.Manifest) -> None:
     """What onnxruntime-gpu 1.31 can run, measured on an H200: refuse the rest instead of running it wrongly.
 
     GroupQueryAttention has no float32 CUDA kernel: the node falls back to CPU, its shared KV buffer is copied
-    around it and multi-token forwards stop matching one-token steps (drafter == target accepted 0.2-0.7).
-    LinearAttention on CUDA requires its state in the activation dtype, while snapspec keeps recurrent state in
-    float32 (fp16 state drifts over long sequences).
+    around it and multi-token forwards stop matching one-token steps (drafter == target accepted 0.2-0.7). fp16
+    exports run; their gated delta rule is computed in float32 (the CUDA kernel wants state and activations in one
+    dtype, and the state is float32). Exports made before that (fp16 activations into a float32 state) are refused.
     """
     dtype = m.data["export"]["dtype"]
     has_attention = any(s["role"].startswith("kv") for s in m.state)
     if dtype == "float32" and has_attention:
         raise SnapspecError("the CUDA execution provider has no float32 GroupQueryAttention kernel; re-export with "
                             "--dtype fp16 for CUDA, or use --ep cpu / --ep webgpu")
-    if any(s["role"] == "recurrent" for s in m.state):
-        raise SnapspecError("onnxruntime-gpu 1.31's LinearAttention needs the recurrent state in float16 on CUDA and "
-                            "snapspec keeps it in float32; hybrid models on CUDA are not supported yet "
-                            "(--ep webgpu runs them on NVIDIA GPUs)")
+    if dtype == "float16" and any(s["role"] == "recurrent" for s in m.state) and not _float32_rule(m):
+        raise SnapspecError(f"{m.folder} feeds float16 activations to a float32 recurrent state, which the CUDA "
+                            "kernel refuses; re-export it with this snapspec version")
+
+
+def _float32_rule(m: manifest.Manifest) -> bool:
+    """Whether the export computes the gated delta rule in float32 (its manifest says so; older exports did not)."""
+    return bool(m.data["export"].get("float32_linear_attention"))

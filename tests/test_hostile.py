@@ -320,10 +320,10 @@ def test_different_vocabularies(capsys, tmp_path, tiny_model, tiny_export):
 
 
 # -- bad exports ------------------------------------------------------------------------------------------------
-def _check_export_refused(capsys, hf: Path, out: Path, *needles: str) -> None:
+def _check_export_refused(capsys, hf: Path, out: Path, *needles: str, flags=()) -> None:
     parent_before = sorted(p.name for p in out.parent.iterdir())
     hf_before = tree(hf)
-    rc, _, err = cli(capsys, "export", hf, "-o", out)
+    rc, _, err = cli(capsys, "export", hf, "-o", out, *flags)
     one_error(rc, err, *needles)
     assert sorted(p.name for p in out.parent.iterdir()) == parent_before, "export left something behind"
     assert tree(hf) == hf_before
@@ -488,3 +488,29 @@ def test_moved_folder_loads_and_generates_the_same(tmp_path, target):
     os.rename(a, b)
     after = Generator(load(b, threads=1), prompt, max_new_tokens=24, stop_at_eos=False).run()
     assert after == before and len(after) == 24
+
+
+# -- state-window exports (CUDA only) -------------------------------------------------------------------------------
+def test_state_window_export_is_described_and_refused_off_cuda(capsys, tmp_path, tiny_model):
+    out = tmp_path / "win"
+    rc, _, err = cli(capsys, "export", tiny_model("qwen3_5_text"), "-o", out, "--dtype", "fp16", "--state-window",
+                     "--rollback-window", "6")
+    assert rc == 0, err
+    m = manifest.load(out)
+    assert m.rollback["recurrent"] == "window" and m.rollback["window"] == 6
+    assert m.rollback_data is None and m.graph_path("replay") is None
+    assert not (out / "genai_config.json").exists()  # onnxruntime-genai has no windowed state
+    rec = [s for s in m.state if s["role"] in ("conv", "recurrent")]
+    assert rec and all(s["shape"][:2] == [6, "batch"] for s in rec)
+    import onnx
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    windowed = [n for n in graph.node if n.op_type in ("LinearAttention", "CausalConvWithState")]
+    assert windowed and all(any(a.name == "state_window" and a.i == 6 for a in n.attribute) for n in windowed)
+    rc, _, err = cli(capsys, "generate", "--target", out, "--prompt", PROMPT)
+    one_error(rc, err, "--state-window", "CUDA only")
+
+
+def test_state_window_over_onnxruntime_limit(capsys, tmp_path, tiny_model):
+    (tmp_path / "dest").mkdir()
+    _check_export_refused(capsys, tiny_model("lfm2"), tmp_path / "dest" / "out", "at most 8",
+                          flags=("--state-window", "--rollback-window", "9"))

@@ -134,7 +134,7 @@ def provenance(target, drafter, threads) -> dict:
 def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tokens: int = 128, reps: int = 3,
               rollback: str = "auto", adaptive: bool = True, threads=None, progress=None,
               vs_genai: bool = False) -> dict:
-    from snapspec.runtime import Context, Generator
+    from snapspec.runtime import Context, Generator, default_mode
     from snapspec.runtime.adaptive import measure_costs
 
     window = max(max(ks), target.manifest.rollback["window"])
@@ -143,8 +143,11 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
     if ctx_len > target.manifest.max_context:
         raise SnapspecError(f"prompts plus {max_new_tokens} new tokens need a context of {ctx_len}, over the "
                             f"export's {target.manifest.max_context}")
-    tctx = Context(target, ctx_len, mode="replay" if target.replay else "ring", window=window)
-    dctx = Context(drafter, ctx_len, mode="ring", window=window)
+    tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
+    dctx = Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"), window=window)
+    if tctx.slots and max(ks) > tctx.depth:
+        raise SnapspecError(f"the target's {tctx.mode} rollback undoes at most {tctx.depth} draft tokens; bench k up "
+                            f"to {tctx.depth}")
 
     # The cost model's terms, on a context prefilled with the first prompt.
     tctx.forward(ids[0])

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from snapspec import SnapspecError, manifest
-from snapspec.runtime import Context, Generator, Model
+from snapspec.runtime import Context, Generator, Model, default_mode
 
 PROMPTS = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The quick brown fox jumps over the lazy dog. The quick brown",
@@ -66,9 +66,12 @@ def check_multi_vs_single(model: Model, n_prompt: int = 12, t: int = 8) -> Check
 def check_rollback(model: Model, mode: str, window: int | None = None, n_prompt: int = 10) -> Check:
     """Rolling back to each j <= W gives the logits and state of a context that decoded only those tokens.
 
-    replay: one (W+1)-token forward, then rollback; ring: W+1 one-token steps, then rollback. Buffers start NaN.
+    replay: one (W+1)-token forward, then rollback; window: one W-token forward (a state window of W holds the
+    states after its last W tokens); ring: W one-token steps. Buffers start NaN.
     """
     w = window or model.manifest.rollback["window"]
+    if mode == "window":
+        w = model.manifest.rollback["window"]
     toks = _tokens(model, n_prompt + w + 2, seed=1)
     probe = toks[-1]
     worst, tol, where = 0.0, tolerance(model), ""
@@ -76,8 +79,8 @@ def check_rollback(model: Model, mode: str, window: int | None = None, n_prompt:
     for j in range(w + 1):
         ctx = Context(model, 128, mode=mode, window=w, poison=True)
         ctx.forward(toks[:n_prompt])
-        if mode == "replay":
-            ctx.forward(toks[n_prompt:n_prompt + w + 1])
+        if mode in ("replay", "window"):
+            ctx.forward(toks[n_prompt:n_prompt + w + (mode == "replay")])
         else:
             for x in toks[n_prompt:n_prompt + w]:
                 ctx.forward([x])
@@ -141,14 +144,11 @@ def check_self_acceptance(model: Model, k: int = 4, new_tokens: int = 32) -> Che
 
 def run_checks(target: Model, drafter: Model | None, window: int | None = None, new_tokens: int = 32) -> list[Check]:
     w = window or target.manifest.rollback["window"]
-    plan = [("target", lambda: check_multi_vs_single(target))]
-    if target.has_recurrent:
-        plan.append(("target", lambda: check_rollback(target, "replay" if target.replay else "ring", w)))
-    else:
-        plan.append(("target", lambda: check_rollback(target, "ring", w)))
+    plan = [("target", lambda: check_multi_vs_single(target)),
+            ("target", lambda: check_rollback(target, default_mode(target), w))]
     if drafter is not None:
         plan += [("drafter", lambda: check_multi_vs_single(drafter)),
-                 ("drafter", lambda: check_rollback(drafter, "ring", w)),
+                 ("drafter", lambda: check_rollback(drafter, default_mode(drafter, "drafter"), w)),
                  ("pair", lambda: check_spec_equals_plain(target, drafter, range(1, w + 1), new_tokens))]
     plan.append(("target", lambda: check_self_acceptance(target)))
     out = []
