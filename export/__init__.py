@@ -19,7 +19,7 @@ import onnx
 import snapspec
 from snapspec import SnapspecError, manifest
 
-from . import arch, genai_config
+from . import arch, genai_config, window
 from .blocks import Decoder
 from .checkpoint import Checkpoint
 from .graph import Graph
@@ -27,12 +27,11 @@ from .weights import Weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 DEFAULT_WINDOW = 8
-MAX_STATE_WINDOW = 8  # onnxruntime's state_window range is [0, 8]
 
 
 def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int = 32,
            rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
-           state_window: bool = False, log=print) -> manifest.Manifest:
+           log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
     dtype: float32 | float16 (activations and weights; recurrent state stays float32).
@@ -40,8 +39,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            float16, the output projection is quantized even when tied).
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
-    state_window: keep the conv and recurrent state of each of the last W tokens as a graph output (onnxruntime's
-           `state_window`, run by the CUDA EP only): rollback picks a slot, no replay graph. W = rollback_window <= 8.
+    A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
+    state_window (CUDA only), sharing the weights file; the runtime picks it for a target on CUDA (export/window.py).
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
@@ -54,9 +53,6 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         raise SnapspecError(f"unsupported block size {block_size}: use 32, 64 or 128")
     if rollback_window < 1:
         raise SnapspecError("rollback window must be at least 1")
-    if state_window and rollback_window > MAX_STATE_WINDOW:
-        raise SnapspecError(f"--state-window holds at most {MAX_STATE_WINDOW} states (onnxruntime's limit); "
-                            f"use --rollback-window {MAX_STATE_WINDOW} or less")
     if out_dir.exists() and not force:
         raise SnapspecError(f"{out_dir} already exists; pass --force to replace it")
     if not hf_dir.is_dir():
@@ -69,8 +65,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     spec = module.spec(ckpt.config)
     ctx = int(max_context or min(spec.max_positions, 32768))
     weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
-    dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"),
-                  state_window=rollback_window if state_window else 0)
+    dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"))
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
     with _progress(ckpt, weights, log):
@@ -85,15 +80,21 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         has_replay = bool(dec.rollback)
         if has_replay:
             _save(dec.replay.to_model(), tmp / "replay.onnx")
+        state_window = rollback_window if has_replay and rollback_window <= window.MAX_WINDOW else None
+        if state_window:
+            window.write(tmp / "model.onnx", {n for s in dec.state if s.role in ("conv", "recurrent")
+                                              for n in (s.name, s.output)}, state_window)
+        elif has_replay:
+            log(f"no state-window graph (CUDA rollback falls back to replay): --rollback-window {rollback_window} "
+                f"exceeds onnxruntime's state_window limit of {window.MAX_WINDOW}")
         for name in TOKENIZER_FILES:
             if (hf_dir / name).exists():
                 shutil.copyfile(hf_dir / name, tmp / name)
         shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
-        data = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay)
-        # Derived from the manifest's data, written first so that the manifest checksums it too. onnxruntime-genai
-        # has no windowed state: a state-window export is snapspec's alone.
-        if not dec.state_window or not recurrent_state(dec):
-            genai_config.write(tmp, data, num_attention_heads=getattr(spec, "heads", None))
+        data = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
+                              state_window)
+        # Derived from the manifest's data, written first so that the manifest checksums it too.
+        genai_config.write(tmp, data, num_attention_heads=getattr(spec, "heads", None))
         result = manifest.write(tmp, data)
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
@@ -130,7 +131,8 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
                     location=path.name + ".data", size_threshold=1024)
 
 
-def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, window, ctx, has_replay) -> dict:
+def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
+                   state_window) -> dict:
     cfg = ckpt.config
     gen = {}
     gen_path = ckpt.folder / "generation_config.json"
@@ -139,12 +141,15 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, window, ct
         gen = json.loads(gen_path.read_text(encoding="utf-8"))
     eos = gen.get("eos_token_id", cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id")))
     eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
-    recurrent = recurrent_state(dec)
+    recurrent = any(s.role in ("conv", "recurrent") for s in dec.state)
     graphs = {"forward": {"file": "model.onnx", "inputs": [i.name for i in dec.fwd.inputs],
                           "outputs": [o.name for o in dec.fwd.outputs]}}
     if has_replay:
         graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
                             "outputs": [o.name for o in dec.replay.outputs]}
+    if state_window:
+        graphs["forward_window"] = {"file": window.FILE, "inputs": graphs["forward"]["inputs"],
+                                    "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"]}
     return {
         "model": {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures", []),
                   "layers": spec.layers, "layer_kinds": spec.layer_kinds, "hidden_size": spec.hidden,
@@ -154,8 +159,9 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, window, ct
                    "pad_token_id": gen.get("pad_token_id", cfg.get("pad_token_id"))},
         "graphs": graphs,
         **dec.table(),
-        "rollback": {"kv": "truncate", "window": window,
-                     "recurrent": None if not recurrent else "window" if dec.state_window else "replay"},
+        # state_window: the forward_window graph's W (its conv and recurrent state gain a leading axis of W)
+        "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": rollback_window,
+                     "state_window": state_window},
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
                    "int4_note": "embedding table stored in float16; output projection quantized (int4)" if quant == "int4"
                    else None},
@@ -163,10 +169,6 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, window, ct
                      "python": sys.version.split()[0]},
         "source": {"folder_name": ckpt.folder.name, "config_sha256": manifest.sha256_file(ckpt.folder / "config.json")},
     }
-
-
-def recurrent_state(dec: Decoder) -> bool:
-    return any(s.role in ("conv", "recurrent") for s in dec.state)
 
 
 def _peak_mb() -> float:

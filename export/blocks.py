@@ -9,10 +9,6 @@ runtime's allocator, the tests and `snapspec info` all read that table and nothi
 
 Recurrent blocks also emit rollback data: the per-token inputs of their state transition (conv inputs, decay,
 beta), which the replay graph built beside the forward graph uses to advance a saved state over an accepted prefix.
-
-With a state window W (onnxruntime's `state_window`, CUDA only) the conv and recurrent state gain a leading axis of
-W slots instead: slot j holds the state after token T - W + j of the call, and the next call reads slot W - 1. Rollback
-then picks a slot, and there is no rollback data and no replay graph.
 """
 
 from __future__ import annotations
@@ -58,7 +54,6 @@ class Decoder:
 
     fwd: Graph
     replay: Graph
-    state_window: int = 0  # W > 0: windowed conv / recurrent state (CUDA), no rollback data
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
     _rollback_values: list[str] = field(default_factory=list)
@@ -140,25 +135,17 @@ class Decoder:
         return cos, sin, rotary_dim
 
     # -- recurrent state helpers ------------------------------------------------------------------------------------
-    def _windowed(self, shape: list) -> list:
-        return [self.state_window] + shape if self.state_window else shape
-
-    def _window_attrs(self) -> dict:
-        return {"state_window": self.state_window} if self.state_window else {}
-
     def _conv_state(self, layer: int, channels: int, kernel: int) -> tuple[str, str]:
         shape = ["batch", kernel - 1, channels]
-        past = self.fwd.input(f"past_conv_state.{layer}", self.fwd.onnx_dtype, self._windowed(shape))
+        past = self.fwd.input(f"past_conv_state.{layer}", self.fwd.onnx_dtype, shape)
         self.replay.input(past, self.replay.onnx_dtype, shape)
         present = f"present_conv_state.{layer}"
-        self.state.append(StateEntry(past, present, "conv", layer, self._windowed(shape), self.dtype_name))
-        self.fwd.output(present, present, self.fwd.onnx_dtype, self._windowed(shape))
+        self.state.append(StateEntry(past, present, "conv", layer, shape, self.dtype_name))
+        self.fwd.output(present, present, self.fwd.onnx_dtype, shape)
         return past, present
 
     def _rollback_out(self, g: Graph, value: str, layer: int, kind: str, width: int) -> str:
         """Record a per-token transition input; `finish` packs them all into one output (one bind per call)."""
-        if self.state_window:
-            return ""
         offset = sum(r.width for r in self.rollback)
         self.rollback.append(RollbackEntry(kind, layer, offset, width))
         self._rollback_values.append(value)
@@ -181,10 +168,9 @@ class Decoder:
 
     def _causal_conv(self, g: Graph, x: str, weight_name: str, state: str, present: str, activation: str,
                      leaf: str = "conv", bias: str = "") -> str:
-        window = self._window_attrs() if g is self.fwd else {}
         out, _ = g.op("CausalConvWithState", [x, weight_name, bias, state], leaf, n_out=2, domain=MS,
                       outputs=[g._unique(g._path(leaf) + "/output_0"), present],
-                      activation=activation, channels_last=1, **window)
+                      activation=activation, channels_last=1)
         return out
 
     # -- Gated DeltaNet --------------------------------------------------------------------------------------------
@@ -212,7 +198,7 @@ class Decoder:
                                    (v, "value", v_heads * v_dim), (decay, "decay", v_heads), (beta, "beta", v_heads)):
             self._rollback_out(g, value, layer, kind, width)
 
-        rec_shape = self._windowed(["batch", v_heads, k_dim, v_dim])
+        rec_shape = ["batch", v_heads, k_dim, v_dim]
         past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
         present_rec = f"present_recurrent_state.{layer}"
         self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, rec_shape, "float32"))
@@ -255,11 +241,10 @@ class Decoder:
                 if t not in up:  # the replay passes k as q: one Cast
                     up[t] = g.op("Cast", [t], f"{n}_f32", to=F32)
             q, k, v, decay, beta = (up[t] for t in (q, k, v, decay, beta))
-        window = self._window_attrs() if g is self.fwd else {}
         out, _ = g.op("LinearAttention", [q, k, v, past, decay, beta], "LinearAttention", n_out=2, domain=MS,
                       outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
                       q_num_heads=v_heads, kv_num_heads=v_heads, update_rule="gated_delta",
-                      scale=float(k_dim ** -0.5), **window)
+                      scale=float(k_dim ** -0.5))
         return g.op("Cast", [out], "out_f16", to=g.onnx_dtype) if fp16 else out
 
     def _gdn_replay(self, layer, conv_weight, v_heads, k_dim, v_dim, kernel):

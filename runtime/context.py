@@ -63,15 +63,15 @@ class Context:
         self.window = int(window or m.rollback["window"])
         if mode not in ("replay", "ring", "window"):
             raise SnapspecError(f"unknown recurrent rollback mode {mode!r}")
-        windowed = m.rollback.get("recurrent") == "window"
+        windowed = model.state_window is not None
         if windowed != (mode == "window") and model.has_recurrent:
-            raise SnapspecError(f"{m.folder} was exported with{'' if windowed else 'out'} --state-window: its "
-                                f"recurrent rollback mode is {default_mode(model)}, not {mode}")
+            raise SnapspecError(f"{mode} rollback needs the {'forward' if windowed else 'state-window'} graph; this "
+                                f"model runs the {'state-window' if windowed else 'forward'} graph")
         if mode == "replay" and model.replay is None and model.has_recurrent:
             raise SnapspecError(f"{m.folder} has no replay graph; use ring or checkpoint rollback")
         self.mode = mode if model.has_recurrent else "truncate"
         if self.mode == "window":
-            self.window = int(m.rollback["window"])  # fixed by the graph's state_window
+            self.window = int(model.state_window)  # fixed by the graph's state_window
         self.poison = poison
         self.device = model.device
         # poison: NaN-fill the buffers, so reading state that was never written shows. Not the KV buffers on a GPU:
@@ -81,6 +81,8 @@ class Context:
                    for s in m.state if s["role"].startswith("kv")}
         self.kv_out = {s["output"]: s["name"] for s in m.state if s["role"].startswith("kv")}
         self.rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
+        if self.mode == "window":  # the state-window graph: one leading axis of W states
+            self.rec_specs = [{**s, "shape": [self.window] + list(s["shape"])} for s in self.rec_specs]
         n_slots = (self.window + 1 if mode == "ring" else 2) if self.rec_specs else 0
         arena = 2 * self.window - 1 if self.mode == "window" else None  # states per slot (window mode)
         self.slots = [{s["name"]: self._alloc(s, fill=np.nan if poison else 0.0, states=arena)
@@ -91,7 +93,7 @@ class Context:
         self._checkpoint_values: dict | None = None
         self._checkpoint_state: tuple[int, int] | None = None
         self._zeros: dict | None = None
-        self.packed_rollback = m.rollback_data is not None
+        self.packed_rollback = m.rollback_data is not None and not windowed  # the state-window graph has none
         self._bindings: dict = {}
         self.reset()
 
@@ -314,8 +316,8 @@ class Context:
 
 
 def default_mode(model: Model, role: str = "target") -> str:
-    """A state-window export's window mode; else replay for a target that has the graph, ring otherwise."""
-    if model.manifest.rollback.get("recurrent") == "window":
+    """window for a model on the state-window graph; else replay for a target that has the graph, ring otherwise."""
+    if model.state_window is not None:
         return "window"
     return "replay" if role == "target" and model.replay is not None else "ring"
 

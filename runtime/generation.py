@@ -227,9 +227,9 @@ class Generator:
                                       "take the checkpoint path (re-export with a larger --rollback-window)")
             return False
         if self.dctx.mode == "window":
-            self._warn_once("drafter-window", f"{self.drafter.folder} was exported with --state-window, which cannot "
-                                              "undo one-token draft steps: every round takes the checkpoint path "
-                                              "(export the drafter without --state-window)")
+            self._warn_once("drafter-window", "a drafter on the state-window graph cannot undo its one-token draft "
+                                              "steps: every round takes the checkpoint path (load the drafter with "
+                                              "role='drafter' or recurrent='replay')")
             return False
         if self.tctx.slots and self.tctx.mode not in ("replay", "window"):
             self._warn_once("replay", f"{self.target.folder} has no replay graph: every round takes the checkpoint "

@@ -31,6 +31,7 @@ class Model:
     tokenizer: object
     threads: int | None = None
     requested_ep: str = "cpu"
+    state_window: int | None = None  # W when the session runs the state-window graph (conv/recurrent state [W, ...])
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -72,8 +73,12 @@ class Model:
 
 
 def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int | None = None,
-         verify: bool = True, spin: bool = True) -> Model:
+         verify: bool = True, spin: bool = True, role: str = "target", recurrent: str = "auto") -> Model:
     """Open an exported folder on `ep`.
+
+    recurrent: which forward graph carries the recurrent state. auto: the state-window graph for a target on CUDA
+    when the export has one (rollback picks a state; measured faster than replay there, BENCHMARKS.md), else the
+    forward graph with replay (target) or ring slots (drafter). replay / window force one.
 
     spin: let the forward session's threads spin between runs, which suits back-to-back target steps. Load a
     drafter with spin=False: every session owns a thread pool, and an idle pool that spins steals the cores the
@@ -85,16 +90,13 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     used_ep, providers = configure(ep, opts, allow_fallback)
     if used_ep == "cuda":
         _check_cuda_support(m)
-    elif m.rollback.get("recurrent") == "window":
-        raise SnapspecError(f"{m.folder} was exported with --state-window, which onnxruntime runs on CUDA only; use "
-                            f"--ep cuda, or re-export without --state-window for {used_ep}")
-    session = _session(m.graph_path("forward"), opts, providers)
-    replay, replay_path = None, m.graph_path("replay")
+    graph = _forward_graph(m, used_ep, role, recurrent)
+    session = _session(m.graph_path(graph), opts, providers)
+    replay, replay_path = None, m.graph_path("replay") if graph == "forward" else None
     if replay_path is not None:
         replay_opts = _options(threads, spin=False)
-        if providers is None:  # a plugin EP: its device is added to each session's options
-            configure(used_ep, replay_opts, allow_fallback)
-        replay = _session(replay_path, replay_opts, providers)
+        _, replay_providers = configure(used_ep, replay_opts, allow_fallback)  # a plugin EP adds its device here
+        replay = _session(replay_path, replay_opts, replay_providers)
     tok_path = m.folder / "tokenizer.json"
     if not tok_path.exists():
         raise SnapspecError(f"{m.folder} has no tokenizer.json")
@@ -103,13 +105,30 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
         raise SnapspecError(f"cannot read {tok_path}: {exc}") from None
-    model = Model(m, used_ep, session, replay, tokenizer, threads, requested_ep=ep)
+    model = Model(m, used_ep, session, replay, tokenizer, threads, requested_ep=ep,
+                  state_window=m.rollback.get("state_window") if graph == "forward_window" else None)
     if used_ep != ep:
         model.notes.append(f"requested {ep}, running on {used_ep} (--allow-fallback)")
     if genai_folder.is_builder(m):
         model.notes.append(genai_folder.note(m))
         log.warning(model.notes[-1])
     return model
+
+
+def _forward_graph(m: manifest.Manifest, ep: str, role: str, recurrent: str) -> str:
+    """forward or forward_window (see load)."""
+    if recurrent not in ("auto", "replay", "window"):
+        raise SnapspecError(f"unknown recurrent rollback {recurrent!r}: use auto, replay or window")
+    has_window = m.graph_path("forward_window") is not None
+    if recurrent == "window":
+        if not has_window:
+            raise SnapspecError(f"{m.folder} has no state-window graph (exports with recurrent state and "
+                                "--rollback-window <= 8 have one); use --recurrent-rollback replay")
+        if ep != "cuda":
+            raise SnapspecError(f"the state-window graph runs on CUDA only (onnxruntime's state_window), not on {ep}; "
+                                "use --ep cuda or --recurrent-rollback replay")
+        return "forward_window"
+    return "forward_window" if recurrent == "auto" and has_window and ep == "cuda" and role == "target" else "forward"
 
 
 def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
@@ -150,7 +169,8 @@ def _check_cuda_support(m: manifest.Manifest) -> None:
     if dtype == "float32" and has_attention:
         raise SnapspecError("the CUDA execution provider has no float32 GroupQueryAttention kernel; re-export with "
                             "--dtype fp16 for CUDA, or use --ep cpu / --ep webgpu")
-    if dtype == "float16" and any(s["role"] == "recurrent" for s in m.state) and not _float32_rule(m):
+    mixed = any(s["role"] == "recurrent" and s["dtype"] != dtype for s in m.state)
+    if dtype == "float16" and mixed and not _float32_rule(m):
         raise SnapspecError(f"{m.folder} feeds float16 activations to a float32 recurrent state, which the CUDA "
                             "kernel refuses; re-export it with this snapspec version")
 

@@ -19,22 +19,26 @@ from snapspec import manifest
 from .providers import configure
 
 
-def node_placement(folder, ep: str) -> dict:
-    """{"providers": {provider: node count}, "cpu_ops": {op_type: count}} for the forward graph on `ep`."""
+def node_placement(folder, ep: str, graph: str = "forward") -> dict:
+    """{"providers": {provider: node count}, "cpu_ops": {op_type: count}} for one of the folder's graphs on `ep`
+    (forward, forward_window, replay), from one run on zero inputs."""
     m = manifest.load(folder, verify=False)
     opts = ort.SessionOptions()
     opts.enable_profiling = True
     opts.log_severity_level = 3
     opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "placement")
     _, providers = configure(ep, opts, allow_fallback=False)
-    path = str(m.graph_path("forward"))
+    path = str(m.graph_path(graph))
     session = ort.InferenceSession(path, opts) if providers is None else \
         ort.InferenceSession(path, opts, providers=providers)
-    feeds = {"input_ids": np.ones((1, 2), np.int64), "position_ids": np.arange(2, dtype=np.int64)[None],
-             "attention_mask": np.ones((1, 2), np.int64)}
-    for s in m.state:
-        shape = [1 if d == "batch" else 4 if d == "context" else int(d) for d in s["shape"]]
-        feeds[s["name"]] = np.zeros(shape, np.float32 if s["dtype"] == "float32" else np.float16)
+    sizes = {"batch": 1, "context": 4, "total_sequence": 2}
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [d if isinstance(d, int) else sizes.get(d, 2) for d in i.shape]
+        dtype = {"tensor(int64)": np.int64, "tensor(float16)": np.float16}.get(i.type, np.float32)
+        feeds[i.name] = np.ones(shape, dtype) if i.name == "attention_mask" else np.zeros(shape, dtype)
+    if "position_ids" in feeds:
+        feeds["position_ids"][...] = np.arange(feeds["position_ids"].shape[-1])
     session.run(None, feeds)
     trace = session.end_profiling()
     with open(trace) as f:

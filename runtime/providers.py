@@ -63,12 +63,13 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[
         raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
     if ep == "cpu":
         return "cpu", ["CPUExecutionProvider"]
-    if ep == "webgpu" and PROVIDERS[ep] not in ort.get_available_providers():
-        device = _webgpu_plugin_device()
-        if device is not None:
-            opts.add_provider_for_devices([device], {})
-            return ep, None
-    elif PROVIDERS[ep] in ort.get_available_providers():
+    # The plugin first, whatever get_available_providers says: once its library is registered it is listed there
+    # too, and a session made from a providers list then gets no device from it (its inputs stay on the host).
+    device = _webgpu_plugin_device() if ep == "webgpu" else None
+    if device is not None:
+        opts.add_provider_for_devices([device], {})
+        return ep, None
+    if PROVIDERS[ep] in ort.get_available_providers():
         if ep == "cuda":
             if hasattr(ort, "preload_dlls"):
                 ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when that is where they are

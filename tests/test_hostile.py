@@ -490,27 +490,33 @@ def test_moved_folder_loads_and_generates_the_same(tmp_path, target):
     assert after == before and len(after) == 24
 
 
-# -- state-window exports (CUDA only) -------------------------------------------------------------------------------
-def test_state_window_export_is_described_and_refused_off_cuda(capsys, tmp_path, tiny_model):
-    out = tmp_path / "win"
-    rc, _, err = cli(capsys, "export", tiny_model("qwen3_5_text"), "-o", out, "--dtype", "fp16", "--state-window",
-                     "--rollback-window", "6")
-    assert rc == 0, err
-    m = manifest.load(out)
-    assert m.rollback["recurrent"] == "window" and m.rollback["window"] == 6
-    assert m.rollback_data is None and m.graph_path("replay") is None
-    assert not (out / "genai_config.json").exists()  # onnxruntime-genai has no windowed state
-    rec = [s for s in m.state if s["role"] in ("conv", "recurrent")]
-    assert rec and all(s["shape"][:2] == [6, "batch"] for s in rec)
+# -- the state-window graph (CUDA only) -----------------------------------------------------------------------------
+def test_state_window_graph_shares_weights_and_is_refused_off_cuda(capsys, tmp_path, target):
     import onnx
-    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
-    windowed = [n for n in graph.node if n.op_type in ("LinearAttention", "CausalConvWithState")]
-    assert windowed and all(any(a.name == "state_window" and a.i == 6 for a in n.attribute) for n in windowed)
-    rc, _, err = cli(capsys, "generate", "--target", out, "--prompt", PROMPT)
-    one_error(rc, err, "--state-window", "CUDA only")
+    m = manifest.load(target)
+    w = m.rollback["state_window"]
+    assert w == m.rollback["window"] == 8 and m.graph_path("forward_window").name == "model_window.onnx"
+    graph = onnx.load(str(m.graph_path("forward_window")), load_external_data=False).graph
+    stateful = [n for n in graph.node if n.op_type in ("LinearAttention", "CausalConvWithState")]
+    assert stateful and all(any(a.name == "state_window" and a.i == w for a in n.attribute) for n in stateful)
+    rec = {s["name"] for s in m.state if s["role"] in ("conv", "recurrent")}
+    shapes = {v.name: v.type.tensor_type.shape.dim[0].dim_value for v in graph.input if v.name in rec}
+    assert shapes and set(shapes.values()) == {w}
+    assert "rollback_data" not in [o.name for o in graph.output]
+    assert not any(n.op_type == "Concat" and "rollback_data" in n.name for n in graph.node)  # pruned
+    locations = {e.value for t in graph.initializer for e in t.external_data if e.key == "location"}
+    assert locations == {"model.onnx.data"}  # the weights are stored once
+    # Off CUDA the graph is never picked by default, and asking for it is one clear error.
+    assert load(target).state_window is None
+    rc, _, err = cli(capsys, *gen_args(target, "--recurrent-rollback", "window"))
+    one_error(rc, err, "state-window graph runs on CUDA only", "--recurrent-rollback replay")
 
 
-def test_state_window_over_onnxruntime_limit(capsys, tmp_path, tiny_model):
-    (tmp_path / "dest").mkdir()
-    _check_export_refused(capsys, tiny_model("lfm2"), tmp_path / "dest" / "out", "at most 8",
-                          flags=("--state-window", "--rollback-window", "9"))
+def test_no_state_window_graph_beyond_onnxruntime_limit(capsys, tmp_path, tiny_model):
+    out = tmp_path / "w9"
+    rc, _, err = cli(capsys, "export", tiny_model("lfm2"), "-o", out, "--rollback-window", "9")
+    assert rc == 0 and "state_window limit of 8" in err, err
+    m = manifest.load(out)
+    assert m.graph_path("forward_window") is None and m.rollback["state_window"] is None
+    rc, _, err = cli(capsys, *gen_args(out, "--recurrent-rollback", "window"))
+    one_error(rc, err, "has no state-window graph")

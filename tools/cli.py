@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -45,9 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32)
     p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
     p.add_argument("--max-context", type=positive_int, default=None)
-    p.add_argument("--state-window", action="store_true",
-                   help="windowed recurrent state (onnxruntime's state_window, CUDA only): rollback picks one of the "
-                        "last W states instead of replaying; W = --rollback-window, at most 8")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
 
     p = sub.add_parser("generate", help="generate text, with or without a drafter")
@@ -94,13 +92,20 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("snapspec: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # onnxruntime's failures at run time (a kernel, a binding, a device)
+        if os.environ.get("SNAPSPEC_DEBUG"):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"snapspec: error: onnxruntime failed: {first[:400]} (SNAPSPEC_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 def cmd_export(args) -> int:
     from snapspec.export import export
     export(args.hf_dir, args.out_dir, dtype=args.dtype, quant=args.quant, block_size=args.block_size,
            rollback_window=args.rollback_window, max_context=args.max_context, force=args.force,
-           state_window=args.state_window, log=lambda m: print(m, file=sys.stderr))
+           log=lambda m: print(m, file=sys.stderr))
     return 0
 
 

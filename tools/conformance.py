@@ -156,8 +156,8 @@ def run_checks(target: Model, drafter: Model | None, window: int | None = None, 
         t = time.perf_counter()
         try:
             c = fn()
-        except SnapspecError as exc:
-            c = Check(getattr(fn, "__name__", "check"), False, f"error: {exc}")
+        except (SnapspecError, RuntimeError) as exc:  # RuntimeError: onnxruntime failed inside the check
+            c = Check(getattr(fn, "__name__", "check"), False, f"error: {str(exc).strip()[:300]}")
         c.seconds, c.where = time.perf_counter() - t, where
         out.append(c)
     return out
@@ -191,7 +191,9 @@ def run(args) -> int:
     target, drafter = load_models(args, args.target, args.drafter)
     checks += run_checks(target, drafter, args.window, args.new_tokens)
     from snapspec.runtime.placement import node_placement
-    placement = {"target": {"session": target.providers_used(), **node_placement(args.target, target.ep)}}
+    graph = "forward_window" if target.state_window else "forward"
+    placement = {"target": {"session": target.providers_used(), "graph": graph,
+                            **node_placement(args.target, target.ep, graph)}}
     if drafter:
         placement["drafter"] = {"session": drafter.providers_used(), **node_placement(args.drafter, drafter.ep)}
     return _report(con, Table, checks, placement, args)

@@ -22,6 +22,10 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-fallback", action="store_true", help="run on CPU when the provider is not installed")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="intra-op threads for the target (default: onnxruntime's, one per physical core)")
+    p.add_argument("--recurrent-rollback", choices=["auto", "replay", "window"], default="auto",
+                   help="how the target rolls back recurrent state: window (CUDA; picks one of the last W states "
+                        "of the state-window graph) or replay; auto = window on CUDA when the export has that "
+                        "graph, else replay")
     p.add_argument("--drafter-threads", type=positive_int, default=None,
                    help="intra-op threads for the drafter (default: --threads; small drafters often run "
                         "faster on one thread)")
@@ -31,12 +35,13 @@ def load_models(args, target_dir, drafter_dir=None):
     """(target, drafter or None) on the requested provider. A drafter that fails to load is an error."""
     from snapspec.runtime import load
 
-    target = load(target_dir, args.ep, allow_fallback=args.allow_fallback, threads=args.threads)
+    target = load(target_dir, args.ep, allow_fallback=args.allow_fallback, threads=args.threads,
+                  recurrent=getattr(args, "recurrent_rollback", "auto"))
     if drafter_dir is None:
         return target, None
     try:
         drafter = load(drafter_dir, args.ep, allow_fallback=args.allow_fallback,
-                       threads=args.drafter_threads or args.threads, spin=False)
+                       threads=args.drafter_threads or args.threads, spin=False, role="drafter")
     except SnapspecError as exc:
         raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
     return target, drafter
