@@ -16,6 +16,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
+from . import genai_folder
 from .adaptive import Costs, DraftLengthChooser, measure_costs
 from .context import Context, default_mode
 from .model import Model
@@ -232,6 +233,8 @@ class Generator:
                                               "role='drafter' or recurrent='replay')")
             return False
         if self.tctx.slots and self.tctx.mode not in ("replay", "window"):
+            if genai_folder.is_builder(self.target.manifest):  # its load note already says checkpoint
+                return False
             self._warn_once("replay", f"{self.target.folder} has no replay graph: every round takes the checkpoint "
                                       "path (re-export it with this snapspec to enable bounded rollback)")
             return False

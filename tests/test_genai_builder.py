@@ -149,6 +149,14 @@ def test_cli_says_checkpoint_and_unverified(built, tiny_export):
     assert said == [f"snapspec: warning: {note[0]}"], run.stderr
 
 
+def test_bench_refuses_a_builder_target(built, tiny_export, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    rc, _, err = cli(capsys, "bench", "--target", built["qwen3_5"][0], "--drafter", tiny_export("qwen3"),
+                     "--prompts", prompts, "--k", "2", "--reps", "1", "--max-new-tokens", "8", "--threads", "1")
+    one_error(rc, err, "without a checkpoint", "bench needs a snapspec export as target")
+
+
 @pytest.mark.parametrize("damage,needle", [
     (lambda f: (f / "genai_config.json").write_text("{not json"), "corrupt"),
     (lambda f: (f / "genai_config.json").write_text(json.dumps({"model": {"type": "lfm2"}})), "model.decoder"),

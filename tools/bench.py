@@ -145,6 +145,9 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
                             f"export's {target.manifest.max_context}")
     tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
     dctx = Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"), window=window)
+    if tctx.slots and tctx.mode not in ("replay", "window"):
+        raise SnapspecError(f"{target.folder} cannot roll back its recurrent state without a checkpoint (no replay "
+                            "graph, e.g. an onnxruntime-genai builder folder); bench needs a snapspec export as target")
     if tctx.slots and max(ks) > tctx.depth:
         raise SnapspecError(f"the target's {tctx.mode} rollback undoes at most {tctx.depth} draft tokens; bench k up "
                             f"to {tctx.depth}")

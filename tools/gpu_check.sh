@@ -3,10 +3,10 @@
 # an exported pair is given, conformance and a bench of it on each available GPU provider.
 #   tools/gpu_check.sh [PAIR_DIR] [OUT_DIR]
 # PAIR_DIR holds target/ and drafter/ (and prompts.jsonl); for CUDA, fp16 exports (`--dtype fp16`, with
-# `--quant int4` to make them small), plus target-window/ (the target exported with --state-window) when the
-# windowed state is to be compared with replay. Needs torch + transformers (for the tiny models) and onnxruntime
-# with the provider(s): onnxruntime-gpu for CUDA, onnxruntime + onnxruntime-ep-webgpu (plugin) for WebGPU.
-# Results land in OUT_DIR (default ./gpu-results).
+# `--quant int4` to make them small). On CUDA the target runs both ways: on its state-window graph (the default
+# there) and on the forward graph with replay (--recurrent-rollback replay). Needs torch + transformers (for the
+# tiny models) and onnxruntime with the provider(s): onnxruntime-gpu for CUDA, onnxruntime + onnxruntime-ep-webgpu
+# (plugin) for WebGPU. Results land in OUT_DIR (default ./gpu-results).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 pair=${1:+$(cd "$1" && pwd)}
@@ -18,13 +18,12 @@ python3 -m pytest "$repo/tests/test_gpu.py" -q -rs 2>&1 | tee "$out/test_gpu.txt
 for ep in cuda webgpu; do
   python3 -c "import sys; from snapspec.runtime.providers import available; sys.exit(0 if '$ep' in available() else 1)" ||
     continue
-  for target in target target-window; do
-    [ -d "$pair/$target" ] || continue
-    [ "$target" = target-window ] && [ "$ep" != cuda ] && continue
-    python3 -m snapspec.tools.cli conformance --target "$pair/$target" --drafter "$pair/drafter" --ep "$ep" \
-      --json "$out/conformance-$ep-$target.json" 2>&1 | tee "$out/conformance-$ep-$target.txt"
-    python3 -m snapspec.tools.cli bench --target "$pair/$target" --drafter "$pair/drafter" --ep "$ep" \
-      --prompts "$pair/prompts.jsonl" --limit 4 --k 1,2,3,4,6 --reps 2 --max-new-tokens 96 --rollback both \
-      --json "$out/bench-$ep-$target.json" 2>&1 | tee "$out/bench-$ep-$target.txt"
+  for mode in auto replay; do
+    [ "$mode" = replay ] && [ "$ep" != cuda ] && continue
+    python3 -m snapspec.tools.cli conformance --target "$pair/target" --drafter "$pair/drafter" --ep "$ep" \
+      --recurrent-rollback "$mode" --json "$out/conformance-$ep-$mode.json" 2>&1 | tee "$out/conformance-$ep-$mode.txt"
+    python3 -m snapspec.tools.cli bench --target "$pair/target" --drafter "$pair/drafter" --ep "$ep" \
+      --recurrent-rollback "$mode" --prompts "$pair/prompts.jsonl" --limit 8 --k 1,2,3,4,6 --reps 2 \
+      --max-new-tokens 128 --rollback both --json "$out/bench-$ep-$mode.json" 2>&1 | tee "$out/bench-$ep-$mode.txt"
   done
 done
