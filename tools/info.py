@@ -66,7 +66,10 @@ def render(info: dict) -> str:
     e = info["export"]
     con.print(f"dtype {e['dtype']}, quant {e['quant']}" + (f" (block {e['block_size']})" if e.get("block_size") else "")
               + f"; rollback: kv {info['rollback']['kv']}, recurrent {info['rollback']['recurrent']}, "
-                f"window {info['rollback']['window']}; MTP weights in checkpoint: {info['mtp_weights_present']}")
+                f"window {info['rollback']['window']}"
+              + (f" (state-window graph for CUDA, W = {info['rollback']['state_window']})"
+                 if info["rollback"].get("state_window") else "")
+              + f"; MTP weights in checkpoint: {info['mtp_weights_present']}")
     t = Table(title="state per layer kind")
     for col in ("role", "layers", "shape", "dtype", f"bytes/layer (ctx {info['memory']['ctx']})"):
         t.add_column(col)
