@@ -53,6 +53,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         raise SnapspecError(f"unsupported block size {block_size}: use 32, 64 or 128")
     if rollback_window < 1:
         raise SnapspecError("rollback window must be at least 1")
+    if out_dir.parent.is_dir():
+        _clean_leftovers(out_dir, log)
     if out_dir.exists() and not force:
         raise SnapspecError(f"{out_dir} already exists; pass --force to replace it")
     if not hf_dir.is_dir():
@@ -74,7 +76,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     weights.check_covered()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
     try:
         _save(dec.fwd.to_model(), tmp / "model.onnx")
         has_replay = bool(dec.rollback)
@@ -99,14 +101,52 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        if out_dir.exists():  # --force: moved aside, not deleted, until the new folder is in place
+            os.replace(out_dir, old)
         os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s, peak memory {_peak_mb():.0f} MB")
     return manifest.Manifest(out_dir, result.data)
+
+
+def _clean_leftovers(out_dir: Path, log) -> None:
+    """What a killed export to out_dir left beside it: its temporary folder (removed), or, killed between the two
+    renames of --force, the previous export moved aside (put back when out_dir is missing, else removed). Only
+    folders whose exporting process is gone are touched."""
+    for p in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
+        if not _alive(_pid_in(p.name, ".partial-")):
+            shutil.rmtree(p, ignore_errors=True)
+    for p in out_dir.parent.glob(f".{out_dir.name}.old-*"):
+        if _alive(_pid_in(p.name, ".old-")):
+            continue
+        if out_dir.exists():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            os.replace(p, out_dir)
+            if log:
+                log(f"restored {out_dir} from {p.name}, left by an interrupted --force export")
+
+
+def _pid_in(name: str, marker: str) -> int | None:
+    digits = name.split(marker, 1)[1].split("-", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def _alive(pid: int | None) -> bool:
+    """Whether process pid runs (unknown counts as alive: its folder is left alone)."""
+    if pid is None or sys.platform == "win32":  # os.kill(pid, 0) would terminate the process on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextmanager

@@ -384,7 +384,7 @@ def _partials(parent: Path, name: str) -> list[Path]:
 
 def test_export_killed_midway_leaves_nothing_that_loads(tmp_path, tiny_model):
     """SIGKILL once the temporary folder holds data: the destination does not exist and does not load; a new
-    export to the same destination then succeeds beside the leftover temporary folder."""
+    export to the same destination then succeeds and removes the killed export's temporary folder."""
     src = PAIR_A / "target" if (PAIR_A / "target" / "config.json").exists() else \
         tiny_model("qwen3_5_text", hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2)
@@ -425,6 +425,27 @@ def test_export_killed_midway_leaves_nothing_that_loads(tmp_path, tiny_model):
                         capture_output=True, timeout=300, check=False).returncode
     assert rc == 0
     assert manifest.load(dest).model["model_type"] == "qwen3_5_text"
+    assert not _partials(tmp_path, dest.name), "the killed export's temporary folder is still there"
+
+
+def test_force_export_killed_between_renames_is_restored(capsys, tmp_path, tiny_model):
+    """--force moves the old folder aside before moving the new one in; an export killed between the two leaves
+    `.NAME.old-PID`, which the next export to NAME puts back (or removes, once NAME exists again)."""
+    src = tiny_model("lfm2")
+    dest = tmp_path / "out"
+    rc, _, err = cli(capsys, "export", src, "-o", dest)
+    assert rc == 0, err
+    before = tree(dest)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    os.replace(dest, tmp_path / f".out.old-{dead.pid}")
+    rc, _, err = cli(capsys, "export", src, "-o", dest)  # finds NAME missing: restores it, then refuses (exists)
+    assert "restored" in err
+    one_error(rc, err, "already exists")
+    assert tree(dest) == before
+    rc, _, err = cli(capsys, "export", src, "-o", dest, "--force")
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 _SENTINEL_CODE = "open({path!r}, 'w').write('code from the model folder ran')\n"
