@@ -14,7 +14,7 @@ import onnxruntime as ort
 from snapspec import SnapspecError, manifest
 
 from . import genai_folder
-from .providers import DEVICE, configure
+from .providers import DEVICE, PROVIDERS, configure
 
 
 log = logging.getLogger("snapspec")
@@ -92,6 +92,11 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         _check_cuda_support(m)
     graph = _forward_graph(m, used_ep, role, recurrent)
     session = _session(m.graph_path(graph), opts, providers)
+    if used_ep != "cpu" and PROVIDERS[used_ep] not in session.get_providers():
+        # onnxruntime drops a provider whose libraries or driver fail to load and runs on CPU without a word.
+        raise SnapspecError(f"onnxruntime could not start the {used_ep} execution provider (its libraries or driver "
+                            f"did not load; the session got {', '.join(session.get_providers())}); run `snapspec "
+                            "doctor`, or use --ep cpu")
     replay, replay_path = None, m.graph_path("replay") if graph == "forward" else None
     if replay_path is not None:
         replay_opts = _options(threads, spin=False)

@@ -39,8 +39,8 @@ def diagnose() -> dict:
         if ep in usable:
             verdict[ep] = "available"
             if ep == "cuda":
-                verdict[ep] += ("; snapspec refuses hybrid models and float32 exports on CUDA (onnxruntime-gpu 1.31 "
-                                "kernels), see README")
+                verdict[ep] += ("; takes fp16 exports (--dtype fp16, int4 too: onnxruntime-gpu has no float32 "
+                                "GroupQueryAttention kernel); a hybrid target runs its state-window graph")
             if ep in ("dml", "coreml"):
                 verdict[ep] += "; linear-attention and conv nodes run on CPU (no kernels)"
             continue
