@@ -219,10 +219,10 @@ def _graph_io(path: Path) -> tuple[dict, dict, set, bool]:
     try:
         buf = memoryview(path.read_bytes())
         inputs, outputs, ops, rotary = {}, {}, set(), False
-        for number, graph in _fields(buf):
+        for number, graph in manifest.wire_fields(buf):
             if number != 7:
                 continue
-            for field, value in _fields(graph):
+            for field, value in manifest.wire_fields(graph):
                 if field == 1:
                     op, attrs = _node(value)
                     ops.add(op)
@@ -238,11 +238,11 @@ def _graph_io(path: Path) -> tuple[dict, dict, set, bool]:
 def _node(buf) -> tuple[str, dict]:
     """(op type, {attribute name: integer value}) of a node."""
     op, attrs = "", {}
-    for field, value in _fields(buf):
+    for field, value in manifest.wire_fields(buf):
         if field == 4:
             op = bytes(value).decode()
         elif field == 5:
-            parts = dict(_fields(value))
+            parts = dict(manifest.wire_fields(value))
             if 1 in parts and 3 in parts:
                 attrs[bytes(parts[1]).decode()] = parts[3]
     return op, attrs
@@ -250,45 +250,25 @@ def _node(buf) -> tuple[str, dict]:
 
 def _value_info(buf) -> tuple[str, tuple[int, list]]:
     name, elem, shape = "", 0, []
-    for field, value in _fields(buf):
+    for field, value in manifest.wire_fields(buf):
         if field == 1:
             name = bytes(value).decode()
         elif field == 2:
-            for f, tensor in _fields(value):
+            for f, tensor in manifest.wire_fields(value):
                 if f != 1:
                     continue
-                for g, v in _fields(tensor):
+                for g, v in manifest.wire_fields(tensor):
                     if g == 1:
                         elem = v
                     elif g == 2:
-                        shape = [_dim(d) for h, d in _fields(v) if h == 1]
+                        shape = [_dim(d) for h, d in manifest.wire_fields(v) if h == 1]
     return name, (elem, shape)
 
 
 def _dim(buf):
-    for field, value in _fields(buf):
+    for field, value in manifest.wire_fields(buf):
         if field == 1:
             return int(value)
         if field == 2:
             return bytes(value).decode()
     return None
-
-
-def _fields(buf):
-    """(field number, value) of one message: an int for a varint, a memoryview for a length-delimited field."""
-    i, end = 0, len(buf)
-    while i < end:
-        key, i = manifest._varint(buf, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = manifest._varint(buf, i)
-        elif wire == 2:
-            n, i = manifest._varint(buf, i)
-            if i + n > end:
-                raise ValueError("length past the end")
-            value, i = buf[i:i + n], i + n
-        elif wire in (1, 5):
-            value, i = None, i + (8 if wire == 1 else 4)
-        else:
-            raise ValueError(f"wire type {wire}")
-        yield number, value

@@ -160,37 +160,40 @@ def external_data_locations(path: Path) -> set[str]:
         raise SnapspecError(f"{path} is not a readable ONNX graph (truncated or corrupt)") from None
 
 
-def _scan(buf: memoryview, kind: str, found: set[str]) -> dict[int, bytes]:
-    fields: dict[int, bytes] = {}
+def _scan(buf: memoryview, kind: str, found: set[str]) -> None:
+    for number, value in wire_fields(buf):
+        child = _ENTER.get(kind, {}).get(number)
+        if child is None or not isinstance(value, memoryview):
+            continue
+        if child == "entry":
+            entry = dict(wire_fields(value))
+            if bytes(entry.get(1, b"")) == b"location":
+                found.add(bytes(entry.get(2, b"")).decode("utf-8"))
+        else:
+            _scan(value, child, found)
+
+
+def wire_fields(buf: memoryview):
+    """(field number, value) of one protobuf message: an int for a varint, a memoryview for a length-delimited
+    field, None for a fixed-width one. Raises ValueError (or IndexError) on a truncated or malformed message."""
     i, end = 0, len(buf)
     while i < end:
         key, i = _varint(buf, i)
         number, wire = key >> 3, key & 7
         if wire == 0:
-            _, i = _varint(buf, i)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
+            value, i = _varint(buf, i)
         elif wire == 2:
             n, i = _varint(buf, i)
             if i + n > end:
                 raise ValueError("length past the end")
-            child = _ENTER.get(kind, {}).get(number)
-            if child == "entry":
-                entry = _scan(buf[i:i + n], "entry", found)
-                if entry.get(1) == b"location":
-                    found.add(entry.get(2, b"").decode("utf-8"))
-            elif child is not None:
-                _scan(buf[i:i + n], child, found)
-            elif kind == "entry":
-                fields[number] = bytes(buf[i:i + n])
-            i += n
+            value, i = buf[i:i + n], i + n
+        elif wire in (1, 5):
+            value, i = None, i + (8 if wire == 1 else 4)
+            if i > end:
+                raise ValueError("field past the end")
         else:
             raise ValueError(f"wire type {wire}")
-        if i > end:
-            raise ValueError("field past the end")
-    return fields
+        yield number, value
 
 
 def _varint(buf: memoryview, i: int) -> tuple[int, int]:
