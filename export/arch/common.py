@@ -2,12 +2,57 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, ClassVar
 
 import numpy as np
 
 from ..blocks import Decoder
 from ..weights import Weights
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderSpec:
+    """What every family's config says about its decoder; each family's Spec adds its own fields."""
+
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    max_positions: int
+    layer_types: tuple[str, ...] = ()  # "full_attention" or the family's other mixer per layer; () = all attention
+    prefix: str = "model."
+    MIXER: ClassVar[str] = "attention"  # the layer kind of a layer that is not full attention
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        types = self.layer_types or ("full_attention",) * self.layers
+        return ["attention" if t == "full_attention" else self.MIXER for t in types]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatedDeltaNetSpec(DecoderSpec):
+    """Qwen3.5 / Qwen3-Next: partial RoPE and the shapes of the Gated DeltaNet layers."""
+
+    rotary_dim: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    kernel: int
+    MIXER: ClassVar[str] = "gated_deltanet"
+
+
+def gdn_fields(config: dict) -> dict:
+    """The GatedDeltaNetSpec fields that Qwen3.5 and Qwen3-Next read the same way."""
+    return {"layer_types": gdn_layer_types(config), "k_heads": config["linear_num_key_heads"],
+            "v_heads": config["linear_num_value_heads"], "k_dim": config["linear_key_head_dim"],
+            "v_dim": config["linear_value_head_dim"], "kernel": config.get("linear_conv_kernel_dim", 4)}
 
 
 def residual_stack(dec: Decoder, h: str, n_layers: int, eps: float,

@@ -11,35 +11,21 @@ The conv state is the last conv_L_cache - 1 values of B * x.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import lm_head, residual_stack
+from .common import DecoderSpec, lm_head, residual_stack
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("lfm2",)
 
 
-@dataclass(frozen=True)
-class Spec:
-    hidden: int
-    layers: int
-    layer_types: tuple[str, ...]
-    intermediate: int
-    vocab: int
-    eps: float
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rope_theta: float
-    max_positions: int
+@dataclass(frozen=True, kw_only=True)
+class Spec(DecoderSpec):
     kernel: int
     conv_bias: bool
-    prefix: str = "model."
-
-    @property
-    def layer_kinds(self) -> list[str]:
-        return ["attention" if t == "full_attention" else "short_conv" for t in self.layer_types]
+    MIXER: ClassVar[str] = "short_conv"
 
 
 def ffn_width(config: dict) -> int:

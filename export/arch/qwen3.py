@@ -13,29 +13,14 @@ from snapspec import SnapspecError
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import lm_head, residual_stack
+from .common import DecoderSpec, lm_head, residual_stack
 
 MODEL_TYPES = ("qwen3",)
 
 
-@dataclass(frozen=True)
-class Spec:
-    hidden: int
-    layers: int
-    intermediate: int
-    vocab: int
-    eps: float
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rope_theta: float
-    max_positions: int
+@dataclass(frozen=True, kw_only=True)
+class Spec(DecoderSpec):
     bias: bool
-    prefix: str = "model."
-
-    @property
-    def layer_kinds(self) -> list[str]:
-        return ["attention"] * self.layers
 
 
 def rope_parameters(config: dict, default_theta: float) -> dict:

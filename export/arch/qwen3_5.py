@@ -14,37 +14,15 @@ import numpy as np
 from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
-from .common import gdn_layer_types, lm_head, residual_stack
+from .common import GatedDeltaNetSpec, gdn_fields, lm_head, residual_stack
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
 
-@dataclass(frozen=True)
-class Spec:
-    hidden: int
-    layers: int
-    layer_types: tuple[str, ...]
-    intermediate: int
-    vocab: int
-    eps: float
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    max_positions: int
-    k_heads: int
-    v_heads: int
-    k_dim: int
-    v_dim: int
-    kernel: int
+@dataclass(frozen=True, kw_only=True)
+class Spec(GatedDeltaNetSpec):
     tied: bool
-    prefix: str
-
-    @property
-    def layer_kinds(self) -> list[str]:
-        return ["attention" if t == "full_attention" else "gated_deltanet" for t in self.layer_types]
 
 
 def spec(config: dict) -> Spec:
@@ -54,21 +32,16 @@ def spec(config: dict) -> Spec:
                                                                               config["text_config"].get(
                                                                                   "tie_word_embeddings", False))}
         prefix = "model.language_model."
-    n = config["num_hidden_layers"]
-    layer_types = gdn_layer_types(config)
     rope = rope_parameters(config, 10000.0)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
     return Spec(
-        hidden=config["hidden_size"], layers=n, layer_types=tuple(layer_types),
+        hidden=config["hidden_size"], layers=config["num_hidden_layers"], **gdn_fields(config),
         intermediate=config["intermediate_size"], vocab=config["vocab_size"], eps=config.get("rms_norm_eps", 1e-6),
         heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"], head_dim=head_dim,
         rotary_dim=int(head_dim * partial), rope_theta=float(rope["rope_theta"]),
         max_positions=config.get("max_position_embeddings", 32768),
-        k_heads=config["linear_num_key_heads"], v_heads=config["linear_num_value_heads"],
-        k_dim=config["linear_key_head_dim"], v_dim=config["linear_value_head_dim"],
-        kernel=config.get("linear_conv_kernel_dim", 4), tied=bool(config.get("tie_word_embeddings", False)),
-        prefix=prefix)
+        tied=bool(config.get("tie_word_embeddings", False)), prefix=prefix)
 
 
 def ignored(s: Spec) -> tuple[str, ...]:

@@ -24,63 +24,38 @@ import numpy as np
 from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
-from .common import gdn_layer_types, lm_head, residual_stack
+from .common import GatedDeltaNetSpec, gdn_fields, lm_head, residual_stack
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("qwen3_next",)
 
 
-@dataclass(frozen=True)
-class Spec:
-    hidden: int
-    layers: int
-    layer_types: tuple[str, ...]
+@dataclass(frozen=True, kw_only=True)
+class Spec(GatedDeltaNetSpec):
     moe_layers: tuple[bool, ...]
-    intermediate: int
-    vocab: int
-    eps: float
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    rope_theta: float
-    max_positions: int
-    k_heads: int
-    v_heads: int
-    k_dim: int
-    v_dim: int
-    kernel: int
     experts: int
     top_k: int
     norm_topk: bool
     moe_intermediate: int
     shared_intermediate: int
-    prefix: str = "model."
-
-    @property
-    def layer_kinds(self) -> list[str]:
-        return ["attention" if t == "full_attention" else "gated_deltanet" for t in self.layer_types]
 
 
 def spec(config: dict) -> Spec:
     n = config["num_hidden_layers"]
-    layer_types = gdn_layer_types(config)
     experts = config.get("num_experts", 512)
     step = config.get("decoder_sparse_step", 1)
     dense = set(config.get("mlp_only_layers") or [])
     head_dim = config.get("head_dim") or 256
     rope = rope_parameters({"partial_rotary_factor": 0.25, **config}, 10000.0)
     return Spec(
-        hidden=config["hidden_size"], layers=n, layer_types=tuple(layer_types),
+        hidden=config["hidden_size"], layers=n, **gdn_fields(config),
         moe_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n)),
         intermediate=config.get("intermediate_size", 5632), vocab=config["vocab_size"],
         eps=config.get("rms_norm_eps", 1e-6), heads=config["num_attention_heads"],
         kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"], head_dim=head_dim,
         rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)), rope_theta=float(rope["rope_theta"]),
         max_positions=config.get("max_position_embeddings", 32768),
-        k_heads=config["linear_num_key_heads"], v_heads=config["linear_num_value_heads"],
-        k_dim=config["linear_key_head_dim"], v_dim=config["linear_value_head_dim"],
-        kernel=config.get("linear_conv_kernel_dim", 4), experts=experts, top_k=config.get("num_experts_per_tok", 10),
+        experts=experts, top_k=config.get("num_experts_per_tok", 10),
         norm_topk=bool(config.get("norm_topk_prob", True)), moe_intermediate=config.get("moe_intermediate_size", 512),
         shared_intermediate=config.get("shared_expert_intermediate_size", 512))
 
