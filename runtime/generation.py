@@ -156,7 +156,8 @@ class Generator:
             st.prompt_reused, st.prompt_prefilled = reused, len(self.prompt) - reused
             if self.drafter is not None:
                 self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st)
-        out = self._emit([self._pick(rows, "the target's prefill")])
+            first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
+        out = self._emit([first])
         self._calibrate()
         if out:
             yield out
