@@ -78,11 +78,12 @@ class Context:
         if rec_specs:
             if mode == "window":
                 self.window = int(model.state_window)  # fixed by the graph
-                self.recurrent = WindowState(rec_specs, self.window, self.device, rec_fill)
+                self.recurrent = WindowState(rec_specs, self.window, self.device, self.copy, rec_fill)
             elif mode == "replay":
-                self.recurrent = ReplayState(rec_specs, model.replay, self.window, self.device, rec_fill)
+                self.recurrent = ReplayState(rec_specs, model.replay, self.window, self.device, self.copy,
+                                             rec_fill)
             else:
-                self.recurrent = RingState(rec_specs, self.window, self.device, rec_fill)
+                self.recurrent = RingState(rec_specs, self.window, self.device, self.copy, rec_fill)
         self.stores = [s for s in (self.kv, self.recurrent) if s is not None]
         self._saved = Checkpoint(self.recurrent, self.device, self.copy) if self.recurrent else None
         self._checkpoint: int | None = None
