@@ -89,6 +89,8 @@ class Generator:
                                                window=self.window, poison=poison)
             self.drafter = ModelDrafter(self.dctx, self.prefill_chunk)
         elif drafter is not None:
+            if drafter_ctx is not None:
+                raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
             self.drafter = drafter
             self.dctx = drafter.ctx
         if self.drafter is not None and self.tctx.recurrent:
