@@ -79,16 +79,17 @@ def split_qkvz(qkvz: np.ndarray, ba: np.ndarray, s: Spec) -> tuple[np.ndarray, .
     return qkv, z.reshape(-1, D), b.reshape(-1, D), a.reshape(-1, D)
 
 
-def _experts(w: Weights, p: str, s: Spec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(gate, up, down) stacked over experts: (E, I, D), (E, I, D), (E, D, I)."""
+def _experts(w: Weights, p: str, s: Spec):
+    """(gate, up, down) stacked over experts: (E, I, D), (E, I, D), (E, D, I), as Lazy tensors read expert by
+    expert when the graph writes them (512 experts of a real layer are never in memory at once)."""
     E, I, D = s.experts, s.moe_intermediate, s.hidden
     if w.has(p + "experts.gate_up_proj"):
         gate_up = w.get(p + "experts.gate_up_proj", (E, 2 * I, D))
         return gate_up[:, :I], gate_up[:, I:], w.get(p + "experts.down_proj", (E, D, I))
     e = p + "experts.{}."
-    return (np.stack([w.get(e.format(j) + "gate_proj.weight", (I, D)) for j in range(E)]),
-            np.stack([w.get(e.format(j) + "up_proj.weight", (I, D)) for j in range(E)]),
-            np.stack([w.get(e.format(j) + "down_proj.weight", (D, I)) for j in range(E)]))
+    return (w.stack([e.format(j) + "gate_proj.weight" for j in range(E)], (I, D)),
+            w.stack([e.format(j) + "up_proj.weight" for j in range(E)], (I, D)),
+            w.stack([e.format(j) + "down_proj.weight" for j in range(E)], (D, I)))
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
