@@ -87,6 +87,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         weights.check_covered()
         for d in data:
             d.close()
+        digests = {d.path.name: d.sha256() for d in data}
         _save(dec.fwd.to_model(), tmp / "model.onnx")
         has_replay = bool(dec.rollback)
         if has_replay:
@@ -109,7 +110,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
                               state_window, copied, skipped)
         # Derived from the manifest's data, written first so that the manifest checksums it too.
         genai_config.write(tmp, info, num_attention_heads=getattr(spec, "heads", None))
-        result = manifest.write(tmp, info)
+        result = manifest.write(tmp, info,
+                                {name: digest for name, digest in digests.items() if digest and (tmp / name).exists()})
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
@@ -120,7 +122,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         for d in data:
-            d.close()
+            d.abandon()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:

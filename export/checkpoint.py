@@ -95,8 +95,8 @@ class Checkpoint:
             self.on_read(name, buf.nbytes)
         out_shape = (stop - start, *shape[1:]) if shape else ()
         if info["dtype"] == "BF16":
-            wide = buf.astype(np.uint32)
-            wide <<= 16
+            wide = np.empty(count, np.uint32)
+            np.left_shift(buf, 16, out=wide, dtype=np.uint32)
             return wide.view(np.float32).reshape(out_shape)
         return buf.astype(np.float32, copy=False).reshape(out_shape)
 

@@ -62,11 +62,16 @@ class Lazy(np.lib.mixins.NDArrayOperatorsMixin):
         inputs = tuple(np.asarray(x) if isinstance(x, Lazy) else x for x in inputs)
         return getattr(ufunc, method)(*inputs, **kwargs)
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of this tensor or of any tensor it is computed from, whichever is larger (what a
+        block of rows costs in memory)."""
+        return self.nbytes // max(self.shape[0], 1)
+
     def blocks(self, max_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, int, np.ndarray]]:
         """(start, stop, rows) covering the first axis, each block about max_bytes (at least one row)."""
         n = self.shape[0]
-        per_row = max(1, self.nbytes // max(n, 1))
-        step = max(1, max_bytes // per_row)
+        step = max(1, max_bytes // max(1, self.row_bytes))
         for start in range(0, n, step):
             stop = min(n, start + step)
             yield start, stop, self.rows(start, stop)
@@ -115,6 +120,10 @@ class Mapped(Lazy):
     def rows(self, start: int, stop: int) -> np.ndarray:
         return self.fn(*(rows_of(s, start, stop) for s in self.sources))
 
+    @property
+    def row_bytes(self) -> int:
+        return max([super().row_bytes] + [_row_bytes(s) for s in self.sources])
+
 
 class Transposed(Lazy):
     """The transpose of a 2-D Lazy. Its rows are the source's columns, so `rows` reads the whole source; the data
@@ -157,6 +166,10 @@ class Stacked(Lazy):
     def rows(self, start: int, stop: int) -> np.ndarray:
         return np.stack([np.asarray(p) for p in self.parts[start:stop]])
 
+    @property
+    def row_bytes(self) -> int:
+        return max(super().row_bytes, int(np.prod(self.shape[1:], dtype=np.int64)) * 4)  # parts read as float32
+
 
 class Concatenated(Lazy):
     """np.concatenate(parts, axis=0)."""
@@ -174,6 +187,16 @@ class Concatenated(Lazy):
             if a < b:
                 out.append(rows_of(part, int(a - lo), int(b - lo)).astype(self.dtype, copy=False))
         return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+    @property
+    def row_bytes(self) -> int:
+        return max([super().row_bytes] + [_row_bytes(p) for p in self.parts])
+
+
+def _row_bytes(x) -> int:
+    if isinstance(x, Lazy):
+        return x.row_bytes
+    return x.nbytes // max(len(x), 1) if np.ndim(x) else x.nbytes
 
 
 def rows_of(x, start: int, stop: int) -> np.ndarray:

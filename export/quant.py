@@ -123,6 +123,10 @@ class _Pass(Lazy):
         self._parts: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
         self._small = None
 
+    @property
+    def row_bytes(self) -> int:
+        return max(super().row_bytes, self.weight.row_bytes)
+
     def rows(self, start: int, stop: int) -> np.ndarray:
         packed, scales, zeros = quantize_rows(self.weight.rows(start, stop), self.block_size)
         if self._small is None:
