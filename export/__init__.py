@@ -69,7 +69,11 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
 
     ckpt = Checkpoint(hf_dir)
     module = arch.for_config(ckpt.config)
-    spec = module.spec(ckpt.config)
+    try:
+        spec = module.spec(ckpt.config)
+    except KeyError as exc:
+        raise SnapspecError(f"{hf_dir / 'config.json'} lacks {exc.args[0]!r}, which {ckpt.config.get('model_type')} "
+                            "needs") from None
     ctx = int(max_context or min(spec.max_positions, 32768))
     weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
