@@ -28,7 +28,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from .lazy import BLOCK_BYTES, Lazy, Transposed
+from . import lazy
+from .lazy import Lazy, Transposed
 
 ALIGN_BIG = 64 << 10
 BIG = 1 << 20
@@ -186,7 +187,7 @@ def _blocks(value):
         yield 0, 1, arr.reshape(1)
         return
     per_row = max(1, arr.nbytes // max(len(arr), 1))
-    step = max(1, BLOCK_BYTES // per_row)
+    step = max(1, lazy.BLOCK_BYTES // per_row)
     for start in range(0, len(arr), step):
         yield start, min(len(arr), start + step), arr[start:start + step]
 

@@ -68,10 +68,11 @@ class Lazy(np.lib.mixins.NDArrayOperatorsMixin):
         block of rows costs in memory)."""
         return self.nbytes // max(self.shape[0], 1)
 
-    def blocks(self, max_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(start, stop, rows) covering the first axis, each block about max_bytes (at least one row)."""
+    def blocks(self, max_bytes: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(start, stop, rows) covering the first axis, each block about max_bytes (default BLOCK_BYTES; at least
+        one row)."""
         n = self.shape[0]
-        step = max(1, max_bytes // max(1, self.row_bytes))
+        step = max(1, (max_bytes or BLOCK_BYTES) // max(1, self.row_bytes))
         for start in range(0, n, step):
             stop = min(n, start + step)
             yield start, stop, self.rows(start, stop)
