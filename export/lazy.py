@@ -150,9 +150,21 @@ class Deferred(Lazy):
         self._value = None
 
     def rows(self, start: int, stop: int) -> np.ndarray:
+        return self.value()[start:stop]
+
+    def value(self) -> np.ndarray:
         if self._value is None:
             self._value = self.compute()
-        return self._value[start:stop]
+        return self._value
+
+    def reshape(self, *shape):
+        """Still deferred (reshaping int4 scales must not compute them before their weights are written)."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+        new = tuple(self.size // max(known, 1) if d == -1 else d for d in shape)
+        if int(np.prod(new, dtype=np.int64)) != self.size or shape.count(-1) > 1:
+            raise ValueError(f"cannot reshape {self.shape} to {shape}")
+        return Deferred(lambda: self.value().reshape(new), new, self.dtype)
 
 
 class Stacked(Lazy):
