@@ -26,7 +26,8 @@ from onnx import TensorProto
 from snapspec import SnapspecError
 
 from .graph import MS, Graph
-from .quant import quantize_int4
+from .lazy import combine, concat
+from .quant import quantize_int4_stacked
 
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -104,7 +105,7 @@ class Decoder:
         if q_bias is not None:
             biases = np.concatenate([q_bias, k_bias, v_bias] + ([np.zeros(gate_w.shape[0], np.float32)]
                                                                if gate_w is not None else []))
-        qkv = g.linear(x, np.concatenate(ws, axis=0), "qkv_proj", bias=biases)
+        qkv = g.linear(x, concat(ws), "qkv_proj", bias=biases)
         sizes = [heads * hd, kv_heads * hd, kv_heads * hd] + ([heads * hd] if gate_w is not None else [])
         parts = g.split(qkv, sizes, axis=-1, leaf="split_qkv")
         q, k, v = parts[:3]
@@ -191,7 +192,7 @@ class Decoder:
         """
         g = self.fwd
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-        proj = g.linear(x, np.concatenate([qkv_w, z_w, b_w, a_w], axis=0), "in_proj")
+        proj = g.linear(x, concat([qkv_w, z_w, b_w, a_w]), "in_proj")
         mixed, z, b, a = g.split(proj, [conv_dim, v_heads * v_dim, v_heads, v_heads], axis=-1, leaf="split_in")
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
@@ -298,7 +299,7 @@ class Decoder:
     def swiglu(self, x: str, gate_w, up_w, down_w, leaf: str = "mlp") -> str:
         g = self.fwd
         with g.scope(leaf):
-            gu = g.linear(x, np.concatenate([gate_w, up_w], axis=0), "gate_up_proj")
+            gu = g.linear(x, concat([gate_w, up_w]), "gate_up_proj")
             gate, up = g.split(gu, [gate_w.shape[0], up_w.shape[0]], axis=-1)
             return g.linear(g.op("Mul", [g.silu(gate, "act"), up], "Mul"), down_w, "down_proj")
 
@@ -315,8 +316,9 @@ class Decoder:
         """
         g = self.fwd
         n_exp, inter, hidden = gate_w.shape
-        fc1 = np.stack([gate_w, up_w], axis=2).reshape(n_exp, 2 * inter, hidden)  # rows g0, u0, g1, u1, ...
-        logits = g.op("MatMul", [x, g.const("gate/weight", np.ascontiguousarray(router_w.T))], "gate/MatMul")
+        fc1 = combine(lambda gw, uw: np.stack([gw, uw], axis=2).reshape(len(gw), 2 * inter, hidden),
+                      [gate_w, up_w], (2 * inter, hidden))  # rows g0, u0, g1, u1, ...; lazy: expert by expert
+        logits = g.op("MatMul", [x, g.const("gate/weight", router_w.T)], "gate/MatMul")
         logits = g.reshape(logits, [-1, n_exp], "gate/flat")
         attrs = dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(normalize),
                      activation_alpha=1.0, activation_beta=0.0)
@@ -324,8 +326,8 @@ class Decoder:
         # QMoE's CPU kernel (onnxruntime 1.32) renormalises the top-k weights even with normalize_routing_weights=0,
         # so a router without renormalisation keeps float experts.
         if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0 and normalize:
-            w1, s1, z1 = _quantize_experts(fc1, bs)
-            w2, s2, z2 = _quantize_experts(down_w, bs)
+            w1, s1, z1 = quantize_int4_stacked(fc1, bs)
+            w2, s2, z2 = quantize_int4_stacked(down_w, bs)
             names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
                                                  ("experts/fc2_q4", w2), ("experts/fc2_scales", s2),
                                                  ("experts/fc1_zero_points", z1), ("experts/fc2_zero_points", z2))]
@@ -381,11 +383,3 @@ class Decoder:
             packed = {"name": "rollback_data", "shape": ["batch", "sequence", sum(r.width for r in self.rollback)],
                       "dtype": self.dtype_name, "slices": [asdict(r) for r in self.rollback]}
         return {"state": [asdict(s) for s in self.state], "rollback_data": packed}
-
-
-def _quantize_experts(w: np.ndarray, block_size: int):
-    """Per-expert MatMulNBits blobs stacked for QMoE: weights (E, N, K/2), scales (E, N, K/bs), zero points."""
-    parts = [quantize_int4(e, block_size) for e in w]
-    n = w.shape[1]
-    return (np.stack([p.reshape(n, -1) for p, _, _ in parts]), np.stack([s.reshape(n, -1) for _, s, _ in parts]),
-            np.stack([z.reshape(n, -1) for _, _, z in parts]))

@@ -47,6 +47,13 @@ SPECS = {
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=80,
                            num_position_embeddings=16),
         tie_word_embeddings=False)),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        text_config=dict(_QWEN35_TEXT, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
+                         moe_intermediate_size=48, shared_expert_intermediate_size=56),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=80,
+                           num_position_embeddings=16),
+        tie_word_embeddings=False)),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         hidden_size=96, intermediate_size=120, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=24, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
@@ -67,7 +74,7 @@ MODEL_TYPES = tuple(SPECS)
 # the worst error of transformers and of onnxruntime (each in float32) relative to the tensor's scale: Qwen3.5 at 0.2
 # reaches 9e-5 (at one position of one prompt), at 0.15 stays under 3.5e-5; Qwen3-Next
 # (MoE plus a sigmoid-gated shared expert grow the residual stream faster) at 0.2 reaches 3e-4, at 0.1 2e-5.
-_INIT = {"qwen3_next": 0.1, "qwen3_5_text": 0.15, "qwen3_5": 0.15}
+_INIT = {"qwen3_next": 0.1, "qwen3_5_text": 0.15, "qwen3_5": 0.15, "qwen3_5_moe": 0.1}
 
 
 def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
@@ -94,7 +101,7 @@ def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range
     kwargs = {**kwargs, **overrides}
     common = dict(vocab_size=vocab_size, initializer_range=initializer_range, eos_token_id=0, bos_token_id=0,
                   pad_token_id=0, max_position_embeddings=512)
-    if model_type == "qwen3_5":
+    if "text_config" in kwargs:
         kwargs["text_config"] = {**kwargs["text_config"], **common}
         kwargs["vision_config"] = {**kwargs["vision_config"], "initializer_range": initializer_range}
     else:
@@ -128,7 +135,8 @@ def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
     """A saved tiny (or real) checkpoint as a transformers model in eval mode: eager attention, eager experts
     (the plain per-expert loop, which also runs in float64)."""
     config = transformers.AutoConfig.from_pretrained(folder)
-    cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration}.get(config.model_type,
-                                                                         transformers.AutoModelForCausalLM)
-    extra = {"experts_implementation": "eager"} if config.model_type == "qwen3_next" else {}
+    cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}.get(config.model_type,
+                                                                              transformers.AutoModelForCausalLM)
+    extra = {"experts_implementation": "eager"} if config.model_type in ("qwen3_next", "qwen3_5_moe") else {}
     return cls.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **extra).eval()
