@@ -4,7 +4,7 @@ Both return states keyed by the manifest's state input names, in the manifest's 
 
     kv          [B, Hkv, ctx, D]     only the written prefix [:, :, :length] is compared
     conv        [B, K-1, C]          transformers keeps [B, C, K]: its last K-1 columns, transposed
-    recurrent   [B, H, Dk, Dv]
+    recurrent   [B, H, Dk, Dv]       Mamba2: [B, H, d_state, head_dim]; transformers keeps [B, H, head_dim, d_state]
 
 The onnxruntime side allocates KV buffers filled with NaN: a row the graph reads without having written it turns
 the logits into NaN at once instead of passing by accident. Conv and recurrent states start at zero, their true
@@ -24,7 +24,7 @@ import torch
 from snapspec import manifest as mf
 from snapspec.export.quant import dequantize_int4, quantize_int4
 
-from tiny import load_hf
+from tiny import MAMBA2_TYPES, load_hf
 
 
 def assert_close(name: str, actual, expected, rtol: float) -> None:
@@ -135,6 +135,8 @@ class HfModel:
                 t = conv[:, :, 1:].transpose(1, 2)
             else:
                 t = layer.recurrent_states[0]
+                if self.model.config.model_type in MAMBA2_TYPES:
+                    t = t.transpose(-1, -2)
             result[e["name"]] = t.float().numpy()
         return result
 
