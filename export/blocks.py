@@ -10,7 +10,8 @@ runtime's allocator, the tests and `snapspec info` all read that table and nothi
                                                          [batch, heads, head_dim, d_state]: the transpose)
 
 Recurrent blocks also emit rollback data: the per-token inputs of their state transition (conv inputs, decay,
-beta; Mamba2: conv inputs and dt), which the replay graph built beside the forward graph uses to advance a saved state over an accepted prefix.
+beta; Mamba2: conv inputs and dt), which the replay graph built beside the forward graph uses to advance a saved
+state over an accepted prefix.
 """
 
 from __future__ import annotations
@@ -83,12 +84,15 @@ class Decoder:
     # -- attention -----------------------------------------------------------------------------------------------
     def attention(self, x: str, layer: int, q_w, k_w, v_w, o_w, *, heads: int, kv_heads: int, head_dim: int,
                   q_norm=None, k_norm=None, eps: float = 1e-6, gate_w=None, rotary=None,
-                  q_bias=None, k_bias=None, v_bias=None, o_bias=None, scale: float | None = None) -> str:
+                  q_bias=None, k_bias=None, v_bias=None, o_bias=None, scale: float | None = None,
+                  k_scale: float = 1.0) -> str:
         """Causal attention on a shared KV buffer; optional per-head q/k RMSNorm, partial RoPE and output gate.
 
         gate_w, when given, is the (heads*head_dim, hidden) projection of the Qwen3.5 output gate.
         rotary is (cos_cache, sin_cache) names for RotaryEmbedding over the first rotary_dim dims of each head;
         None: no position encoding (Granite-4.0-H, Nemotron-H). scale: the softmax scale (default head_dim^-0.5).
+        k_scale multiplies the projected keys, before RoPE and the cache (Falcon-H1's key_multiplier): an op, not
+        folded into the weights, so an int4 export quantizes the checkpoint's own k_proj.
         """
         g = self.fwd
         hd = head_dim
@@ -103,6 +107,8 @@ class Decoder:
         sizes = [heads * hd, kv_heads * hd, kv_heads * hd] + ([heads * hd] if gate_w is not None else [])
         parts = g.split(qkv, sizes, axis=-1, leaf="split_qkv")
         q, k, v = parts[:3]
+        if k_scale != 1.0:
+            k = g.op("Mul", [k, g.scalar("k_scale", k_scale)], "k_scale")
         if q_norm is not None:
             q = g.reshape(g.rms_norm(g.reshape(q, [0, 0, heads, hd], "q_heads"), q_norm, eps, "q_norm"),
                           [0, 0, heads * hd], "q_flat")
@@ -293,7 +299,8 @@ class Decoder:
     # -- Mamba2 ---------------------------------------------------------------------------------------------------
     def mamba2(self, x: str, layer: int, *, in_w, conv_w, a_log, dt_bias, d, out_w, heads: int, head_dim: int,
                groups: int, d_state: int, kernel: int, eps: float, norm_w=None, norm_before_gate: bool = False,
-               dt_limit: tuple[float, float] = (0.0, float("inf")), in_b=None, conv_b=None, out_b=None) -> str:
+               dt_limit: tuple[float, float] = (0.0, float("inf")), in_b=None, conv_b=None, out_b=None,
+               in_scale: np.ndarray | None = None) -> str:
         """The Mamba2 mixer (Granite-4.0-H, Nemotron-H, Falcon-H1). in_w rows are [z (H*P) | x B C (conv) | dt (H)].
 
         conv state: the last kernel-1 inputs of the conv over [x | B | C]; recurrent state [batch, H, N, P]
@@ -307,11 +314,14 @@ class Decoder:
         Output: y + D x, then the gated RMSNorm over `groups` groups: norm(y * silu(z)) * w, or with
         norm_before_gate norm(y) * w * silu(z); without norm_w (Falcon-H1's mamba_rms_norm off) just y * silu(z).
         Rollback data per token: the conv input and dt; the replay graph re-runs the conv and the scan from them.
+        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector).
         """
         g = self.fwd
         inner, gn = heads * head_dim, groups * d_state
         conv_dim = inner + 2 * gn
         proj = g.linear(x, in_w, "in_proj", bias=in_b)
+        if in_scale is not None:
+            proj = g.op("Mul", [proj, g.const("in_proj/scale", in_scale)], "in_proj/scale")
         z, xbc, dt_raw = g.split(proj, [inner, conv_dim, heads], axis=-1, leaf="split_in")
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
@@ -405,15 +415,12 @@ class Decoder:
             r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32, rec_shape)
 
     # -- MLP ------------------------------------------------------------------------------------------------------
-    def swiglu(self, x: str, gate_w, up_w, down_w, leaf: str = "mlp", biases=None) -> str:
-        """down(silu(gate x) * up x); biases: (gate, up, down) bias vectors, or None."""
+    def swiglu(self, x: str, gate_w, up_w, down_w, leaf: str = "mlp") -> str:
         g = self.fwd
-        gate_b, up_b, down_b = biases or (None, None, None)
         with g.scope(leaf):
-            gu = g.linear(x, np.concatenate([gate_w, up_w], axis=0), "gate_up_proj",
-                          bias=np.concatenate([gate_b, up_b]) if biases else None)
+            gu = g.linear(x, np.concatenate([gate_w, up_w], axis=0), "gate_up_proj")
             gate, up = g.split(gu, [gate_w.shape[0], up_w.shape[0]], axis=-1)
-            return g.linear(g.op("Mul", [g.silu(gate, "act"), up], "Mul"), down_w, "down_proj", bias=down_b)
+            return g.linear(g.op("Mul", [g.silu(gate, "act"), up], "Mul"), down_w, "down_proj")
 
     def moe(self, x: str, *, router_w, gate_w, up_w, down_w, top_k: int, normalize: bool,
             shared=None, shared_gate_w=None) -> str:

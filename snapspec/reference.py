@@ -131,7 +131,8 @@ def mamba2(x, dt, A, B, C, D=None, state=None):
     S = np.zeros((Bt, H, N, P)) if state is None else np.array(state, dtype=np.float64)
     y = np.zeros((Bt, T, H, P))
     for t in range(T):
-        S = S * np.exp(dt[:, t] * A)[..., None, None] + np.einsum("bhn,bhp->bhnp", Bh[:, t], dt[:, t, :, None] * x[:, t])
+        u = dt[:, t, :, None] * x[:, t]  # [Bt, H, P]
+        S = S * np.exp(dt[:, t] * A)[..., None, None] + np.einsum("bhn,bhp->bhnp", Bh[:, t], u)
         y[:, t] = np.einsum("bhnp,bhn->bhp", S, Ch[:, t])
     if D is not None:
         y = y + D[:, None] * x

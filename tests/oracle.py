@@ -169,7 +169,10 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
 
     That is: every nn.Linear whose in_features is a multiple of the block size (the tied output projection too,
     so the input embedding is untied first), and MoE expert tensors when hidden and expert widths both are and the
-    router renormalises its top-k (the conditions under which Decoder.moe uses QMoE)."""
+    router renormalises its top-k (the conditions under which Decoder.moe uses QMoE; Granite's router always does).
+    Nemotron-H's squared-ReLU experts run as two plain linears over all experts (export/arch/nemotron_h.py): each
+    expert's up projection is quantized when its input width is a multiple of the block size, and the down
+    projections side by side, one (d, E * I) matrix, when E * I is."""
     emb = model.get_input_embeddings()
     emb.weight = torch.nn.Parameter(emb.weight.detach().clone())
 
@@ -180,9 +183,18 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.in_features % block_size == 0:
             module.weight.copy_(rt(module.weight))
-        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and model.config.norm_topk_prob:
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and getattr(
+                model.config, "norm_topk_prob", True):
             hidden, inter = module.down_proj.shape[1:]
             if hidden % block_size == 0 and inter % block_size == 0:
                 for p in (module.gate_up_proj, module.down_proj):
                     p.copy_(torch.stack([rt(e) for e in p]))
+        elif model.config.model_type == "nemotron_h" and isinstance(getattr(module, "up_proj", None),
+                                                                    torch.nn.Parameter):
+            n, inter, d = module.up_proj.shape
+            if d % block_size == 0:
+                module.up_proj.copy_(torch.stack([rt(e) for e in module.up_proj]))
+            if n * inter % block_size == 0:
+                stacked = rt(module.down_proj.permute(1, 0, 2).reshape(d, n * inter))
+                module.down_proj.copy_(stacked.reshape(d, n, inter).permute(1, 0, 2))
     return model

@@ -136,21 +136,26 @@ def check_silu(config: dict, key: str) -> None:
         raise SnapspecError(f"{key} {config[key]!r} is not supported (the Mamba2 conv and MLPs take only silu)")
 
 
+def scaled(dec: Decoder, x: str, factor: float, leaf: str) -> str:
+    """x * factor as an op (x itself when factor is 1). The Mamba2 families' multipliers stay ops rather than being
+    folded into the weights they follow: an int4 export then quantizes the checkpoint's own weights (bf16 weights
+    scaled by a factor that is not a power of two round differently at ties)."""
+    g = dec.fwd
+    return x if factor == 1.0 else g.op("Mul", [x, g.scalar(leaf, factor)], leaf)
+
+
 def mamba2_mixer(dec: Decoder, w: Weights, p: str, s: Mamba2Spec, x: str, layer: int,
-                 in_rows: np.ndarray | float = 1.0, in_cols: float = 1.0, out_scale: float = 1.0) -> str:
-    """Read the Mamba2 mixer under prefix p and emit it. Multipliers are folded into the weights:
-    in_proj(x * in_cols) * in_rows (in_rows per output row, Falcon-H1's MuP vector) and out_proj(.) * out_scale."""
+                 in_scale: np.ndarray | None = None) -> str:
+    """Read the Mamba2 mixer under prefix p and emit it; in_scale: see Decoder.mamba2."""
     inner, D, H = s.m_heads * s.m_head_dim, s.hidden, s.m_heads
     rows = inner + s.conv_dim + H
-    in_rows = np.broadcast_to(np.asarray(in_rows, np.float32), (rows,))[:, None]
     return dec.mamba2(
-        x, layer, in_w=w.get(p + "in_proj.weight", (rows, D)) * in_rows * in_cols,
-        in_b=w.get(p + "in_proj.bias", (rows,)) * in_rows[:, 0] if s.in_bias else None,
+        x, layer, in_w=w.get(p + "in_proj.weight", (rows, D)),
+        in_b=w.get(p + "in_proj.bias", (rows,)) if s.in_bias else None, in_scale=in_scale,
         conv_w=w.get(p + "conv1d.weight", (s.conv_dim, 1, s.m_kernel)),
         conv_b=w.get(p + "conv1d.bias", (s.conv_dim,)) if s.conv_bias else None,
         a_log=w.get(p + "A_log", (H,)), dt_bias=w.get(p + "dt_bias", (H,)), d=w.get(p + "D", (H,)),
         norm_w=w.get(p + "norm.weight", (inner,)) if s.gated_norm else None, norm_before_gate=s.norm_before_gate,
-        out_w=w.get(p + "out_proj.weight", (D, inner)) * out_scale,
-        out_b=w.get(p + "out_proj.bias", (D,)) * out_scale if s.out_bias else None,
+        out_w=w.get(p + "out_proj.weight", (D, inner)), out_b=w.get(p + "out_proj.bias", (D,)) if s.out_bias else None,
         heads=H, head_dim=s.m_head_dim, groups=s.m_groups, d_state=s.d_state, kernel=s.m_kernel, eps=s.m_eps,
         dt_limit=s.dt_limit)

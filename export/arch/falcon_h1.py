@@ -1,11 +1,12 @@
 """Falcon-H1 (`falcon_h1`): attention and Mamba2 side by side in every layer, then a SwiGLU MLP.
 
 Unusual here: each layer runs both mixers on the same normed input and adds their outputs, so every layer holds a
-KV cache AND a conv + recurrent state (layer kind "attention+mamba2"). Its many multipliers are folded into the
-weights at export: embedding_multiplier (embeddings), lm_head_multiplier (logits), attention_in_multiplier (q, k, v
-projections), key_multiplier (k), attention_out_multiplier (o), ssm_in_multiplier (the Mamba2 in_proj input),
-ssm_multipliers (the MuP vector: one factor each for the z, x, B, C and dt rows of in_proj), ssm_out_multiplier
-(Mamba2 out_proj), mlp_multipliers (gate_proj, down_proj). The Mamba2 width is mamba_d_ssm when set; its gated
+KV cache AND a conv + recurrent state (layer kind "attention+mamba2"). Its many multipliers are ops where
+transformers has them (common.scaled says why they are not folded into the weights): embedding_multiplier
+(embeddings), attention_in_multiplier (attention input), key_multiplier (keys), attention_out_multiplier,
+ssm_in_multiplier (Mamba2 input), ssm_multipliers (the MuP vector: one factor each for the z, x, B, C and dt rows of
+in_proj's output), ssm_out_multiplier, mlp_multipliers (gate projection, MLP output); lm_head_multiplier is folded
+into the final norm's weight, which int4 leaves alone. The Mamba2 width is mamba_d_ssm when set; its gated
 RMSNorm is optional (mamba_rms_norm; without it the output is y * silu(z)) and normalises before gating when
 mamba_norm_before_gate. head_dim may differ from hidden_size / num_attention_heads.
 """
@@ -18,7 +19,7 @@ import numpy as np
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import Mamba2Spec, check_silu, lm_head, mamba2_mixer, residual_stack, time_step_limit
+from .common import Mamba2Spec, check_silu, lm_head, mamba2_mixer, residual_stack, scaled, time_step_limit
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("falcon_h1",)
@@ -84,47 +85,57 @@ def mup_vector(s: Spec) -> np.ndarray:
     return np.repeat(np.asarray(s.mup, np.float32), [inner, inner, gn, gn, s.m_heads])
 
 
+def _mlp(dec: Decoder, x: str, w: Weights, p: str, s: Spec) -> str:
+    """down(up(x) * silu(gate(x) * m_gate)) * m_down: a SwiGLU with Falcon-H1's two multipliers as ops."""
+    g, D, I = dec.fwd, s.hidden, s.intermediate
+    m_gate, m_down = s.mlp_multipliers
+
+    def bias(name: str, n: int):
+        return w.get(p + name, (n,)) if s.mlp_bias else None
+
+    with g.scope("feed_forward"):
+        gate = g.linear(x, w.get(p + "gate_proj.weight", (I, D)), "gate_proj", bias=bias("gate_proj.bias", I))
+        gate = scaled(dec, gate, m_gate, "gate_multiplier")
+        up = g.linear(x, w.get(p + "up_proj.weight", (I, D)), "up_proj", bias=bias("up_proj.bias", I))
+        y = g.linear(g.op("Mul", [g.silu(gate, "act"), up], "Mul"), w.get(p + "down_proj.weight", (D, I)),
+                     "down_proj", bias=bias("down_proj.bias", D))
+        return scaled(dec, y, m_down, "down_multiplier")
+
+
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D, hd = s.hidden, s.head_dim
     g = dec.fwd
     dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)) * s.embedding_multiplier)
+    h = scaled(dec, dec.embed(w.get("embed_tokens.weight", (s.vocab, D))), s.embedding_multiplier,
+               "model/embedding_multiplier")
     rotary = dec.rotary_cache(hd, s.rope_theta, max_context)
     mup = mup_vector(s)
 
     def attention(x: str, i: int) -> str:
         a = f"layers.{i}.self_attn."
         q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-        m_in, m_k, m_out = s.attention_in_multiplier, s.key_multiplier, s.attention_out_multiplier
         biases = {}
         if s.attention_bias:
-            biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)),
-                          k_bias=w.get(a + "k_proj.bias", (kv_rows,)) * m_k,
-                          v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)) * m_out)
+            biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
+                          v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
         with g.scope("self_attn"):
-            return dec.attention(
-                x, i, w.get(a + "q_proj.weight", (q_rows, D)) * m_in, w.get(a + "k_proj.weight", (kv_rows, D)) * m_in * m_k,
-                w.get(a + "v_proj.weight", (kv_rows, D)) * m_in, w.get(a + "o_proj.weight", (D, q_rows)) * m_out,
-                heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=rotary, **biases)
+            y = dec.attention(
+                scaled(dec, x, s.attention_in_multiplier, "attention_in_multiplier"), i,
+                w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
+                w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
+                heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=rotary,
+                k_scale=s.key_multiplier, **biases)
+            return scaled(dec, y, s.attention_out_multiplier, "attention_out_multiplier")
 
     def mixer(x: str, i: int) -> str:
         with g.scope("mamba"):
-            ssm = mamba2_mixer(dec, w, f"layers.{i}.mamba.", s, x, i, in_rows=mup, in_cols=s.ssm_in_multiplier,
-                               out_scale=s.ssm_out_multiplier)
+            x_in = scaled(dec, x, s.ssm_in_multiplier, "ssm_in_multiplier")
+            ssm = mamba2_mixer(dec, w, f"layers.{i}.mamba.", s, x_in, i, in_scale=None if np.all(mup == 1.0) else mup)
+            ssm = scaled(dec, ssm, s.ssm_out_multiplier, "ssm_out_multiplier")
         return g.op("Add", [ssm, attention(x, i)], "mamba_plus_attention")
 
-    def ffn(x: str, i: int) -> str:
-        p = f"layers.{i}.feed_forward."
-        I = s.intermediate
-        m_gate, m_down = s.mlp_multipliers
-        biases = None
-        if s.mlp_bias:
-            biases = (w.get(p + "gate_proj.bias", (I,)) * m_gate, w.get(p + "up_proj.bias", (I,)),
-                      w.get(p + "down_proj.bias", (D,)) * m_down)
-        return dec.swiglu(x, w.get(p + "gate_proj.weight", (I, D)) * m_gate, w.get(p + "up_proj.weight", (I, D)),
-                          w.get(p + "down_proj.weight", (D, I)) * m_down, leaf="feed_forward", biases=biases)
-
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.input_layernorm.weight", (D,)),
-                       lambda i: w.get(f"layers.{i}.pre_ff_layernorm.weight", (D,)), mixer, ffn,
-                       w.get("final_layernorm.weight", (D,)))
-    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix) * s.lm_head_multiplier)
+                       lambda i: w.get(f"layers.{i}.pre_ff_layernorm.weight", (D,)), mixer,
+                       lambda x, i: _mlp(dec, x, w, f"layers.{i}.feed_forward.", s),
+                       w.get("final_layernorm.weight", (D,)) * s.lm_head_multiplier)
+    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))

@@ -1,14 +1,14 @@
 """Granite-4.0-H (`granitemoehybrid`): Mamba2 and attention layers, each followed by experts and a shared MLP.
 
-Unusual here: four multipliers, folded into the weights at export: the embeddings are scaled by
-embedding_multiplier, every mixer and MLP output by residual_multiplier before its residual add, the attention
-softmax by attention_multiplier (instead of head_dim^-0.5), and the logits divided by logits_scaling. Attention has
-no position encoding unless position_embedding_type is "rope" (Granite-4.0-H has none). The router's softmax over
-its top-k logits equals a softmax over all experts renormalised over the top k (com.microsoft MoE with
-normalize_routing_weights). The shared SwiGLU MLP runs in every layer; num_local_experts = 0 (the dense models)
-leaves only it. The Mamba2 gated norm gates before normalising, over mamba_n_groups groups. Older configs name the
-layer kinds "mamba" / "attention", older checkpoints the experts input_linear / output_linear and the router
-router.layer.
+Unusual here: four multipliers: the embeddings are scaled by embedding_multiplier, every mixer and MLP output by
+residual_multiplier before its residual add (ops, see common.scaled), the attention softmax by
+attention_multiplier (instead of head_dim^-0.5), and the logits divided by logits_scaling (folded into the final
+norm's weight). Attention has no position encoding unless position_embedding_type is "rope" (Granite-4.0-H has
+none). The router's softmax over its top-k logits equals a softmax over all experts renormalised over the top k
+(com.microsoft MoE with normalize_routing_weights). The shared SwiGLU MLP runs in every layer; num_local_experts = 0
+(the dense models) leaves only it. The Mamba2 gated norm gates before normalising, over mamba_n_groups groups.
+Older configs name the layer kinds "mamba" / "attention", older checkpoints the experts input_linear /
+output_linear and the router router.layer.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import (Mamba2Spec, check_silu, lm_head, mamba2_layer_types, mamba2_mixer, residual_stack,
+from .common import (Mamba2Spec, check_silu, lm_head, mamba2_layer_types, mamba2_mixer, residual_stack, scaled,
                      time_step_limit)
 from .qwen3 import rope_parameters
 
@@ -86,7 +86,8 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D, hd, r = s.hidden, s.head_dim, s.residual_multiplier
     g = dec.fwd
     dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)) * s.embedding_multiplier)
+    h = scaled(dec, dec.embed(w.get("embed_tokens.weight", (s.vocab, D))), s.embedding_multiplier,
+               "model/embedding_multiplier")
     rotary = dec.rotary_cache(hd, s.rope_theta, max_context) if s.rope else None
 
     def mixer(x: str, i: int) -> str:
@@ -97,30 +98,32 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
             biases = {}
             if s.attention_bias:
                 biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
-                              v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)) * r)
+                              v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
             with g.scope("self_attn"):
-                return dec.attention(
+                y = dec.attention(
                     x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                    w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)) * r,
+                    w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
                     heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=rotary,
                     scale=s.attention_multiplier, **biases)
-        with g.scope("mamba"):
-            return mamba2_mixer(dec, w, p + "mamba.", s, x, i, out_scale=r)
+        else:
+            with g.scope("mamba"):
+                y = mamba2_mixer(dec, w, p + "mamba.", s, x, i)
+        return scaled(dec, y, r, "residual_multiplier")
 
     def ffn(x: str, i: int) -> str:
         p = f"layers.{i}."
         S = s.shared_intermediate
         gate_up = w.get(p + "shared_mlp.input_linear.weight", (2 * S, D))
-        shared = dec.swiglu(x, gate_up[:S], gate_up[S:], w.get(p + "shared_mlp.output_linear.weight", (D, S)) * r,
-                            leaf="shared_mlp")
-        if not s.experts:
-            return shared
-        router, gate, up, down = _experts(w, p + "block_sparse_moe.", s)
-        with g.scope("block_sparse_moe"):
-            y = dec.moe(x, router_w=router, gate_w=gate, up_w=up, down_w=down * r, top_k=s.top_k, normalize=True)
-        return g.op("Add", [y, shared], "moe_plus_shared")
+        y = dec.swiglu(x, gate_up[:S], gate_up[S:], w.get(p + "shared_mlp.output_linear.weight", (D, S)),
+                       leaf="shared_mlp")
+        if s.experts:
+            router, gate, up, down = _experts(w, p + "block_sparse_moe.", s)
+            with g.scope("block_sparse_moe"):
+                moe = dec.moe(x, router_w=router, gate_w=gate, up_w=up, down_w=down, top_k=s.top_k, normalize=True)
+            y = g.op("Add", [moe, y], "moe_plus_shared")
+        return scaled(dec, y, r, "ffn_residual_multiplier")
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.input_layernorm.weight", (D,)),
                        lambda i: w.get(f"layers.{i}.post_attention_layernorm.weight", (D,)), mixer, ffn,
-                       w.get("norm.weight", (D,)))
-    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix) / s.logits_scaling)
+                       w.get("norm.weight", (D,)) / s.logits_scaling)
+    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))

@@ -76,7 +76,8 @@ def spec(config: dict) -> Spec:
         hidden=config["hidden_size"], layers=len(types), layer_types=types,
         intermediate=config.get("intermediate_size", 21504), vocab=config["vocab_size"],
         eps=config.get("layer_norm_epsilon", 1e-5), heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or 128, rope_theta=0.0, max_positions=config.get("max_position_embeddings", 4096),
+        head_dim=config.get("head_dim") or 128, rope_theta=0.0,
+        max_positions=config.get("max_position_embeddings", 4096),
         m_heads=config.get("mamba_num_heads", 128), m_head_dim=config.get("mamba_head_dim", 64),
         m_groups=_get(config, "n_groups", "mamba_n_groups", 8), d_state=config.get("ssm_state_size", 128),
         m_kernel=_get(config, "conv_kernel", "mamba_d_conv", 4), m_eps=config.get("layer_norm_epsilon", 1e-5),
@@ -153,6 +154,9 @@ def _route(g, x: str, router_w: np.ndarray, bias: np.ndarray, s: Spec) -> str:
             total = g.op("ReduceSum", [weights, g.ints("last_2", [-1])], "topk_sum", keepdims=1)
             total = g.op("Add", [total, g.const("tiny", np.float32(1e-20), keep_dtype=True)], "topk_sum_eps")
             weights = g.op("Div", [weights, total], "topk_norm")
+        if s.routed_scale != 1.0:
+            weights = g.op("Mul", [weights, g.const("routed_scaling_factor", np.float32(s.routed_scale),
+                                                    keep_dtype=True)], "routed_scale")
         zeros = g.op("ConstantOfShape", [g.op("Shape", [scores], "Shape")], "zeros",
                      value=helper.make_tensor("zero", F32, [1], [0.0]))
         dense = g.op("ScatterElements", [zeros, top, weights], "dense_weights", axis=-1)
@@ -163,7 +167,7 @@ def _route(g, x: str, router_w: np.ndarray, bias: np.ndarray, s: Spec) -> str:
 
 def _moe(dec: Decoder, x: str, w: Weights, p: str, s: Spec) -> str:
     """Routed squared-ReLU experts as two matmuls over all experts (unchosen ones weighted zero), plus the shared
-    MLP. routed_scaling_factor is folded into the experts' down projections."""
+    MLP."""
     g, D = dec.fwd, s.hidden
     E, I, d = s.experts, s.moe_intermediate, s.latent or s.hidden
     up, down = _experts(w, p, s)
@@ -177,7 +181,7 @@ def _moe(dec: Decoder, x: str, w: Weights, p: str, s: Spec) -> str:
         weighted = g.op("Mul", [g.reshape(act, [0, 0, E, I], "per_expert"),
                                 g.op("Unsqueeze", [dense, g.ints("axis", [-1])], "weights")], "weighted")
         # columns e*I..(e+1)*I of the stacked down projection are expert e's
-        stacked = np.ascontiguousarray(down.transpose(1, 0, 2).reshape(d, E * I)) * s.routed_scale
+        stacked = np.ascontiguousarray(down.transpose(1, 0, 2).reshape(d, E * I))
         y = g.linear(g.reshape(weighted, [0, 0, E * I], "flat"), stacked, "down_proj")
     if s.latent:
         y = g.linear(y, w.get(p + "fc2_latent_proj.weight", (D, d)), "fc2_latent_proj",
