@@ -147,13 +147,25 @@ def test_int4(model_type, ort_model, tiny_model):
 
 VARIANTS = [("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
             ("lfm2", dict(conv_bias=True, tie_word_embeddings=False)),
-            ("qwen3_next", dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[]))]
+            ("qwen3_next", dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])),
+            # dense Granite-4.0-H with RoPE and biases; time-step limits that clip (transformers clips in its
+            # multi-token path only, so this case runs no one-token forward)
+            ("granitemoehybrid", dict(num_local_experts=0, position_embedding_type="rope", attention_bias=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                      mamba_proj_bias=True, mamba_conv_bias=False, mamba_n_groups=1,
+                                      time_step_limit=(0.3, 1.5))),
+            ("nemotron_h", dict(n_group=1, topk_group=1, norm_topk_prob=False, moe_latent_size=40, mlp_bias=True,
+                                use_bias=True, use_conv_bias=False)),
+            ("falcon_h1", dict(mamba_rms_norm=False, attention_bias=True, mlp_bias=True, projectors_bias=True,
+                               mamba_proj_bias=True, tie_word_embeddings=True)),
+            ("falcon_h1", dict(mamba_norm_before_gate=False, mamba_n_groups=1, mamba_conv_bias=False))]
 
 
 @pytest.mark.parametrize("model_type, overrides", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_config_variants(model_type, overrides, tiny_model, tmp_path):
     """Config switches the default tiny models leave off: biases, tied or untied heads, unnormalised MoE routing,
-    a sparse step that makes every other layer dense."""
+    a sparse step that makes every other layer dense, dense or RoPE Mamba2 hybrids, Nemotron-H's latent experts and
+    single routing group, Falcon-H1 without the Mamba2 norm or gating before it."""
     from snapspec.export import export
 
     from tiny import load_hf
