@@ -156,7 +156,7 @@ def _perturb_ssm(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 2)
     with torch.no_grad():
         for module in model.modules():
-            if getattr(module, "A_log", None) is not None:
+            if getattr(module, "A_log", None) is not None and getattr(module, "D", None) is not None:  # Mamba2 only
                 n = module.A_log.shape
                 module.A_log.copy_(torch.rand(n, generator=gen) * 2.0 - 1.0)  # A in -[0.37, 2.7]
                 module.D.copy_(torch.randn(n, generator=gen) * 0.5 + 1.0)
