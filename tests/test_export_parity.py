@@ -9,6 +9,7 @@ fp16 and int4 exports have their own, looser tolerances, each explained where it
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +215,58 @@ def test_pair_a_matches_transformers(role, tmp_path):
         expected = np.concatenate([h.forward(ids[:split]), h.forward(ids[split:])], axis=1)[0]
         assert_close(f"pair-a {role} prompt {i} ({len(ids)} tokens): logits", run_sequence(o, ids, split),
                      expected, RTOL)
+
+
+def _legacy_nemotron_h(config: dict, tensors: dict) -> tuple[dict, dict]:
+    """NVIDIA's own layout: `backbone.` prefix, experts one by one, the pattern string and legacy key names."""
+    pattern = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    legacy = dict(hybrid_override_pattern="".join(pattern[t] for t in config["layers_block_type"]),
+                  mamba_n_groups=config["n_groups"], mamba_d_conv=config["conv_kernel"])
+    config = {k: v for k, v in config.items() if k not in ("layers_block_type", "n_groups", "conv_kernel")}
+    config.update(legacy)
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace("model.", "backbone.", 1)
+        if name.endswith(("experts.up_proj", "experts.down_proj")):
+            for j, e in enumerate(t):
+                out[f"{name.rsplit('.', 1)[0]}.{j}.{name.rsplit('.', 1)[1]}.weight"] = e
+        else:
+            out[name] = t
+    return config, out
+
+
+def _legacy_granite(config: dict, tensors: dict) -> tuple[dict, dict]:
+    """Older Granite-4.0-H checkpoints: "mamba" / "attention" layer kinds, input_linear / output_linear experts."""
+    config = dict(config, layer_types=[{"linear_attention": "mamba", "full_attention": "attention"}[t]
+                                       for t in config["layer_types"]])
+    rename = {"experts.gate_up_proj": "input_linear.weight", "experts.down_proj": "output_linear.weight",
+              "router.weight": "router.layer.weight"}
+    out = {}
+    for name, t in tensors.items():
+        for new, old in rename.items():
+            name = name.replace(f"block_sparse_moe.{new}", f"block_sparse_moe.{old}")
+        out[name] = t
+    return config, out
+
+
+@pytest.mark.parametrize("model_type", ["granitemoehybrid", "nemotron_h"])
+def test_legacy_checkpoint_layouts(model_type, tiny_model, ort_model, tmp_path):
+    """The same weights in the older config and tensor naming the published checkpoints use export to the same
+    model: logits and states equal to the current layout's export."""
+    from safetensors.numpy import load_file, save_file
+
+    from snapspec.export import export
+
+    src = tiny_model(model_type)
+    config = json.loads((src / "config.json").read_text())
+    convert = _legacy_granite if model_type == "granitemoehybrid" else _legacy_nemotron_h
+    config, tensors = convert(config, load_file(src / "model.safetensors"))
+    legacy = tmp_path / "legacy"
+    shutil.copytree(src, legacy)
+    (legacy / "config.json").write_text(json.dumps(config))
+    save_file(tensors, legacy / "model.safetensors")
+    export(legacy, tmp_path / "out", log=lambda *a: None)
+    o, current, ids = OrtModel(tmp_path / "out", context=CONTEXT), ort_model(model_type), tokens(12, 7)
+    a, b = o.forward(o.initial_state(), ids, 0), current.forward(current.initial_state(), ids, 0)
+    assert_close("legacy layout logits", a.logits, b.logits, 1e-6)
+    compare_states(a.state, o.written(b.state, 12), o.entries, 12, 1e-6, "legacy layout: ")
