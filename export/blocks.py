@@ -5,7 +5,9 @@ runtime's allocator, the tests and `snapspec info` all read that table and nothi
 
     kv          [batch, kv_heads, context, head_dim]     one shared past/present buffer (GroupQueryAttention)
     conv        [batch, kernel - 1, channels]            the last kernel-1 conv inputs, sequence-major
-    recurrent   [batch, heads, key_dim, value_dim]       gated delta rule matrix state, float32
+    recurrent   [batch, heads, key_dim, value_dim]       matrix state, float32: the gated delta rule's, or Mamba2's
+                                                         [batch, heads, d_state, head_dim] (transformers keeps
+                                                         [batch, heads, head_dim, d_state]: the transpose)
 
 The head runs on the last `logits_to_keep` positions only (an int64 scalar input whose default, 0, keeps every
 position, as in transformers): the final norm and the output projection of a 4,096-token prefill then cost one row,
@@ -13,7 +15,8 @@ and `next_tokens` (the ArgMax of each kept row, first maximum on ties) lets gree
 of vocabulary rows.
 
 Recurrent blocks also emit rollback data: the per-token inputs of their state transition (conv inputs, decay,
-beta), which the replay graph built beside the forward graph uses to advance a saved state over an accepted prefix.
+beta; Mamba2: conv inputs and dt), which the replay graph built beside the forward graph uses to advance a saved
+state over an accepted prefix.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class StateEntry:
 class RollbackEntry:
     """One slice of the packed `rollback_data` output [batch, sequence, width]: columns offset..offset+width."""
 
-    kind: str  # conv_input | key | value | decay | beta
+    kind: str  # conv_input | key | value | decay | beta | dt
     layer: int
     offset: int
     width: int
@@ -90,11 +93,15 @@ class Decoder:
     # -- attention -----------------------------------------------------------------------------------------------
     def attention(self, x: str, layer: int, q_w, k_w, v_w, o_w, *, heads: int, kv_heads: int, head_dim: int,
                   q_norm=None, k_norm=None, eps: float = 1e-6, gate_w=None, rotary=None,
-                  q_bias=None, k_bias=None, v_bias=None, o_bias=None) -> str:
+                  q_bias=None, k_bias=None, v_bias=None, o_bias=None, scale: float | None = None,
+                  k_scale: float = 1.0) -> str:
         """Causal attention on a shared KV buffer; optional per-head q/k RMSNorm, partial RoPE and output gate.
 
         gate_w, when given, is the (heads*head_dim, hidden) projection of the Qwen3.5 output gate.
-        rotary is (cos_cache, sin_cache) names for RotaryEmbedding over the first rotary_dim dims of each head.
+        rotary is (cos_cache, sin_cache) names for RotaryEmbedding over the first rotary_dim dims of each head;
+        None: no position encoding (Granite-4.0-H, Nemotron-H). scale: the softmax scale (default head_dim^-0.5).
+        k_scale multiplies the projected keys, before RoPE and the cache (Falcon-H1's key_multiplier): an op, not
+        folded into the weights, so an int4 export quantizes the checkpoint's own k_proj.
         """
         g = self.fwd
         hd = head_dim
@@ -109,6 +116,8 @@ class Decoder:
         sizes = [heads * hd, kv_heads * hd, kv_heads * hd] + ([heads * hd] if gate_w is not None else [])
         parts = g.split(qkv, sizes, axis=-1, leaf="split_qkv")
         q, k, v = parts[:3]
+        if k_scale != 1.0:
+            k = g.op("Mul", [k, g.scalar("k_scale", k_scale)], "k_scale")
         if q_norm is not None:
             q = g.reshape(g.rms_norm(g.reshape(q, [0, 0, heads, hd], "q_heads"), q_norm, eps, "q_norm"),
                           [0, 0, heads * hd], "q_flat")
@@ -126,6 +135,7 @@ class Decoder:
         pk, pv = f"present.{layer}.key", f"present.{layer}.value"
         out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, self.seqlens_k, self.total_len],
                    "GroupQueryAttention", n_out=3, domain=MS, num_heads=heads, kv_num_heads=kv_heads,
+                   **({"scale": float(scale)} if scale is not None else {}),
                    outputs=[g._unique(g._path("GroupQueryAttention") + "/output_0"), pk, pv])[0]
         for past, name, role in ((past_k, pk, "key"), (past_v, pv, "value")):
             g.output(name, name, g.onnx_dtype, ["batch", kv_heads, "context", hd])
@@ -294,6 +304,124 @@ class Decoder:
                  outputs=[r._unique(r._path("conv") + "/output_0"), present], activation="none", channels_last=1)
             r.output(present, present, r.onnx_dtype, ["batch", kernel - 1, hidden])
         return g.linear(g.op("Mul", [cg, conv_out], "cy"), out_w, "out_proj", bias=out_b)
+
+    # -- Mamba2 ---------------------------------------------------------------------------------------------------
+    def mamba2(self, x: str, layer: int, *, in_w, conv_w, a_log, dt_bias, d, out_w, heads: int, head_dim: int,
+               groups: int, d_state: int, kernel: int, eps: float, norm_w=None, norm_before_gate: bool = False,
+               dt_limit: tuple[float, float] = (0.0, float("inf")), in_b=None, conv_b=None, out_b=None,
+               in_scale: np.ndarray | None = None) -> str:
+        """The Mamba2 mixer (Granite-4.0-H, Nemotron-H, Falcon-H1). in_w rows are [z (H*P) | x B C (conv) | dt (H)].
+
+        conv state: the last kernel-1 inputs of the conv over [x | B | C]; recurrent state [batch, H, N, P]
+        (N = d_state, P = head_dim), the transpose of transformers' [H, head_dim, d_state]. The selective scan is
+        onnxruntime's LinearAttention with update_rule "gated", which is the Mamba2 recurrence exactly (per head,
+        S <- exp(dt A) S + B (dt x)^T, y = S^T C: k = B, v = dt x, q = C, scalar decay dt A, scale 1), for one
+        token, a k+1-token verify and a long prompt alike (its chunked prefill matches the recurrence to float32
+        rounding; tests/test_reference.py). dt = softplus(dt + dt_bias) clipped to dt_limit, on every path (transformers
+        clips only in its multi-token path).
+
+        Output: y + D x, then the gated RMSNorm over `groups` groups: norm(y * silu(z)) * w, or with
+        norm_before_gate norm(y) * w * silu(z); without norm_w (Falcon-H1's mamba_rms_norm off) just y * silu(z).
+        Rollback data per token: the conv input and dt; the replay graph re-runs the conv and the scan from them.
+        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector).
+        """
+        g = self.fwd
+        inner, gn = heads * head_dim, groups * d_state
+        conv_dim = inner + 2 * gn
+        proj = g.linear(x, in_w, "in_proj", bias=in_b)
+        if in_scale is not None:
+            proj = g.op("Mul", [proj, g.const("in_proj/scale", in_scale)], "in_proj/scale")
+        z, xbc, dt_raw = g.split(proj, [inner, conv_dim, heads], axis=-1, leaf="split_in")
+        conv_weight = conv_w.reshape(conv_dim, 1, kernel)
+        past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
+        conv_out = self._causal_conv(g, xbc, g.const("conv1d/weight", conv_weight), past_conv, present_conv, "silu",
+                                     bias=g.const("conv1d/bias", conv_b) if conv_b is not None else "")
+        dt = g.op("Softplus", [g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add")], "dt_softplus")
+        lo, hi = dt_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
+                               g.const("dt_max", np.float32(hi)) if hi != float("inf") else ""], "dt_clip")
+        self._rollback_out(g, xbc, layer, "conv_input", conv_dim)
+        self._rollback_out(g, dt, layer, "dt", heads)
+
+        rec_shape = ["batch", heads, d_state, head_dim]
+        past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
+        present_rec = f"present_recurrent_state.{layer}"
+        self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, rec_shape, "float32"))
+        a = -np.exp(a_log.astype(np.float32))
+        y = self._ssd(g, conv_out, dt, a, past_rec, present_rec, heads, head_dim, groups, d_state, d=d)
+        g.output(present_rec, present_rec, F32, rec_shape)
+
+        gate = g.silu(z, "z_silu")
+        if norm_w is None:
+            y = g.op("Mul", [y, gate], "gate")
+        elif norm_before_gate:
+            y = g.op("Mul", [self._group_rms_norm(g, y, norm_w, groups, eps), gate], "gate")
+        else:
+            y = self._group_rms_norm(g, g.op("Mul", [y, gate], "gate"), norm_w, groups, eps)
+
+        self._mamba2_replay(layer, conv_weight, conv_b, a, heads, head_dim, groups, d_state, kernel)
+        return g.linear(y, out_w, "out_proj", bias=out_b)
+
+    def _ssd(self, g: Graph, conv_out: str, dt: str, a: np.ndarray, past: str, present: str, heads: int,
+             head_dim: int, groups: int, d_state: int, d: np.ndarray | None = None) -> str | None:
+        """The selective scan on the conv output [x | B | C]: LinearAttention "gated" (see mamba2), in float32 as
+        the gated delta rule is. With the skip weights d: y + D x in the export dtype. Without (the replay): q := k
+        and None, only the state is kept."""
+        inner, gn = heads * head_dim, groups * d_state
+        xs, b, c = g.split(conv_out, [inner, gn, gn], axis=-1, leaf="split_xbc")
+        if g.onnx_dtype != F32:
+            xs, b, c, dt = (g.op("Cast", [t], f"{n}_f32", to=F32) for t, n in ((xs, "x"), (b, "B"), (c, "C"),
+                                                                                 (dt, "dt")))
+        x_heads = g.reshape(xs, [0, 0, heads, head_dim], "x_heads")
+        v = g.reshape(g.op("Mul", [x_heads, g.op("Unsqueeze", [dt, g.ints("dt_axis", [-1])], "dt_unsqueeze")],
+                           "dt_x"), [0, 0, inner], "v_flat")
+        decay = g.op("Mul", [dt, g.const("A", a, keep_dtype=True)], "decay")
+
+        def per_head(t: str, name: str) -> str:  # [B, T, G*N] -> [B, T, H*N]: head h reads group h // (H / G)
+            t = g.reshape(t, [0, 0, groups, 1, d_state], f"{name}_groups")
+            if heads > groups:
+                t = g.op("Expand", [t, g.ints(f"{name}_rep", [1, 1, 1, heads // groups, 1])], f"{name}_repeat")
+            return g.reshape(t, [0, 0, heads * d_state], f"{name}_heads")
+
+        k = per_head(b, "B")
+        q = k if d is None else per_head(c, "C")
+        out, _ = g.op("LinearAttention", [q, k, v, past, decay], "LinearAttention", n_out=2, domain=MS,
+                      outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
+                      q_num_heads=heads, kv_num_heads=heads, update_rule="gated", scale=1.0)
+        if d is None:
+            return None
+        skip = g.op("Mul", [x_heads, g.const("D", d.reshape(heads, 1).astype(np.float32), keep_dtype=True)], "D_x")
+        y = g.op("Add", [out, g.reshape(skip, [0, 0, inner], "D_x_flat")], "y")
+        return g.op("Cast", [y], "y_cast", to=g.onnx_dtype) if g.onnx_dtype != F32 else y
+
+    def _group_rms_norm(self, g: Graph, y: str, gamma: np.ndarray, groups: int, eps: float) -> str:
+        """RMSNorm over `groups` equal groups of the last axis (one group: the plain norm), then * gamma."""
+        if groups == 1:
+            return g.rms_norm(y, gamma, eps, "norm")
+        width = gamma.shape[0] // groups
+        normed = g.rms_norm(g.reshape(y, [0, 0, groups, width], "norm/groups"), np.ones(width, np.float32), eps,
+                            "norm")
+        scaled = g.op("Mul", [normed, g.const("norm/gamma", gamma.reshape(groups, width))], "norm/scale")
+        return g.reshape(scaled, [0, 0, groups * width], "norm/flat")
+
+    def _mamba2_replay(self, layer, conv_weight, conv_b, a, heads, head_dim, groups, d_state, kernel):
+        """Advance conv and recurrent state over the first j tokens of the rollback data: the conv over the saved
+        conv inputs (its output feeds the scan), then the scan with q := k, keeping only its state."""
+        r = self.replay
+        conv_dim = conv_weight.shape[0]
+        rb = f"rollback.{layer}."
+        with r.scope(f"model/layers.{layer}/mamba"):
+            conv_out = self._causal_conv(r, rb + "conv_input", r.const("conv1d/weight", conv_weight),
+                                         f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu",
+                                         bias=r.const("conv1d/bias", conv_b) if conv_b is not None else "")
+            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
+                     ["batch", kernel - 1, conv_dim])
+            rec_shape = ["batch", heads, d_state, head_dim]
+            past_rec = r.input(f"past_recurrent_state.{layer}", F32, rec_shape)
+            self._ssd(r, conv_out, rb + "dt", a, past_rec, f"present_recurrent_state.{layer}", heads, head_dim,
+                      groups, d_state)
+            r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32, rec_shape)
 
     # -- MLP ------------------------------------------------------------------------------------------------------
     def swiglu(self, x: str, gate_w, up_w, down_w, leaf: str = "mlp") -> str:

@@ -14,7 +14,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
+
 from tiny import load_hf, make_tiny  # noqa: E402
+
+# One torch thread: the oracle's tiny models gain nothing from two, and on a loaded machine (CI's 2 shared cores)
+# two OpenMP threads spin-waiting on each other made transformers' forwards 20-100x slower (measured: 0.4-5.8 s vs
+# 0.02-0.05 s for a 20-token Granite-4.0-H forward).
+torch.set_num_threads(1)
 
 
 def _key(name: str, kwargs: dict) -> tuple:

@@ -16,8 +16,11 @@ from snapspec.runtime import Context, Generator, RollbackError, SamplingParams, 
 from snapspec.runtime import contract
 
 ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
-# Each architecture is a target once and a drafter once (the tiny models share one tokenizer).
+# Each architecture is a target once and a drafter once (the tiny models share one tokenizer); the Mamba2 hybrids
+# likewise, each paired with another family (a Qwen3 drafter for a Granite-4.0-H target, as users pair them).
 PAIRS = [(t, ARCHS[(i + 1) % len(ARCHS)]) for i, t in enumerate(ARCHS)]
+MAMBA2_PAIRS = [("granitemoehybrid", "qwen3"), ("nemotron_h", "granitemoehybrid"), ("falcon_h1", "nemotron_h"),
+                ("qwen3_5_text", "falcon_h1")]
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +36,7 @@ def model(tiny_export):
     return get
 
 
-@pytest.mark.parametrize("target,drafter", PAIRS)
+@pytest.mark.parametrize("target,drafter", PAIRS + MAMBA2_PAIRS)
 def test_contract(model, target, drafter):
     """multi-token == one-token steps, rollback exact for j = 0..W (NaN-poisoned buffers), greedy speculative ==
     greedy plain for k = 1..W, counters add up, drafter == target gives acceptance 1.0."""
@@ -41,6 +44,29 @@ def test_contract(model, target, drafter):
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     assert not failed, failed
     assert {c.where for c in checks} >= {"target", "drafter", "pair"}
+
+
+@pytest.mark.parametrize("target,drafter", MAMBA2_PAIRS[:3])
+def test_mamba2_checkpoint_and_window_paths(model, target, drafter):
+    """Greedy speculative == greedy plain for k = 1..8 beyond the contract's defaults (replay target, ring drafter,
+    window 8): with every round forced through the checkpoint path, and with a window of 3, so that rounds drafting
+    more take the checkpoint path and the others roll back by replay and ring slots, mixed in one run. NaN-poisoned
+    buffers; the plain output is not degenerate."""
+    t, d = model(target), model(drafter)
+    prompt = t.encode("Rolling back the state of a hybrid model")
+    plain = Generator(t, prompt, max_new_tokens=24, stop_at_eos=False, poison=True).run()
+    assert len(set(plain)) > 4, f"degenerate greedy output {plain}"
+    seen = set()
+    for k in range(1, 9):
+        forced = Generator(t, prompt, drafter=d, max_new_tokens=24, draft_max=k, rollback="checkpoint",
+                           stop_at_eos=False, poison=True)
+        assert forced.run() == plain, f"k={k}, checkpoint rollback"
+        assert set(forced.stats.rollbacks) <= {"checkpoint"}, dict(forced.stats.rollbacks)
+        mixed = Generator(t, prompt, drafter=d, max_new_tokens=24, draft_max=k, window=3, stop_at_eos=False,
+                          poison=True)
+        assert mixed.run() == plain, f"k={k}, window 3"
+        seen |= mixed.modes_used
+    assert {"target:replay", "drafter:ring" if d.has_recurrent else "drafter:truncate", "checkpoint"} <= seen, seen
 
 
 @pytest.mark.parametrize("target,drafter", PAIRS[:2])

@@ -220,7 +220,23 @@ _refs: dict[str, Reference] = {}  # per architecture, across examples: the same 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_operations_keep_state_exact(models, arch, mode, data):
+    walk(models, arch, mode, data)
+
+
+def walk(models, arch: str, mode: str, data) -> None:
     model = models(arch)
     ref = _refs.setdefault(arch, Reference(model))
     ctx = Context(model, MAX_LEN, mode=mode, window=W, poison=True)
     run_example(data, model, ctx, ref)
+
+
+MAMBA2_CASES = [(a, m) for a in ("granitemoehybrid", "nemotron_h", "falcon_h1") for m in ("replay", "ring")]
+
+
+@pytest.mark.parametrize("arch,mode", MAMBA2_CASES)
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_operations_keep_mamba2_state_exact(models, arch, mode, data):
+    """The same walks on the Mamba2 hybrids' conv + SSM state (Falcon-H1: beside a KV cache in every layer). Fewer
+    examples than above: the new part is the state, restored through the same store paths."""
+    walk(models, arch, mode, data)

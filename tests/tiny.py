@@ -68,7 +68,30 @@ SPECS = {
         block_auto_adjust_ff_dim=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)),
+    # Mamba2 hybrids: heads != groups != d_state != head_dim, every multiplier away from 1, transformers' SSD chunk
+    # (32) below the 70-token prefill, so its chunked scan crosses chunk boundaries.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        hidden_size=96, intermediate_size=40, shared_intermediate_size=56, num_local_experts=5, num_experts_per_tok=2,
+        num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"], num_attention_heads=4,
+        num_key_value_heads=2, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=20, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=32, position_embedding_type="nope", embedding_multiplier=2.0, residual_multiplier=0.6,
+        attention_multiplier=0.09, logits_scaling=1.5, tie_word_embeddings=False)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        hidden_size=80, layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, mamba_num_heads=4, mamba_head_dim=22, n_groups=2,
+        ssm_state_size=16, conv_kernel=3, chunk_size=32, intermediate_size=112, n_routed_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=36, moe_shared_expert_intermediate_size=52, n_group=2,
+        topk_group=1, routed_scaling_factor=1.7, norm_topk_prob=True, tie_word_embeddings=False)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        hidden_size=80, head_dim=24, intermediate_size=104, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=20, mamba_d_conv=4,
+        mamba_chunk_size=32, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, embedding_multiplier=1.3,
+        lm_head_multiplier=0.7, mlp_multipliers=[0.8, 1.2], key_multiplier=0.9, attention_in_multiplier=1.1,
+        attention_out_multiplier=0.75, ssm_multipliers=[0.9, 1.2, 0.8, 1.1, 0.7], ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.85, tie_word_embeddings=False)),
 }
+MAMBA2_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1")
 MODEL_TYPES = tuple(SPECS)
 # Large weights make greedy output varied but also amplify float32 rounding. Measured over 70-token prefills, as
 # the worst error of transformers and of onnxruntime (each in float32) relative to the tensor's scale: Qwen3.5 at 0.2
@@ -110,6 +133,7 @@ def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     _perturb_norms(model, seed)
+    _perturb_ssm(model, seed)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(folder)
@@ -131,6 +155,24 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
                 module.weight.add_(torch.randn(module.weight.shape, generator=gen) * 0.2)
 
 
+def _perturb_ssm(model: torch.nn.Module, seed: int) -> None:
+    """Give every Mamba2 head its own A, D and dt bias (transformers initialises them to 1..H, 1 and a constant, so
+    a head mix-up would pass), and the Nemotron-H router a correction bias (initially zero). dt_bias around 0.5
+    keeps softplus(dt) clear of Nemotron-H's time_step_min clip, which transformers applies in its multi-token path
+    only."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "A_log", None) is not None and getattr(module, "D", None) is not None:  # Mamba2 only
+                n = module.A_log.shape
+                module.A_log.copy_(torch.rand(n, generator=gen) * 2.0 - 1.0)  # A in -[0.37, 2.7]
+                module.D.copy_(torch.randn(n, generator=gen) * 0.5 + 1.0)
+                module.dt_bias.copy_(torch.randn(n, generator=gen) * 0.5 + 0.5)
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.copy_(torch.randn(module.e_score_correction_bias.shape,
+                                                                 generator=gen) * 0.1)
+
+
 def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
     """A saved tiny (or real) checkpoint as a transformers model in eval mode: eager attention, eager experts
     (the plain per-expert loop, which also runs in float64)."""
@@ -138,5 +180,6 @@ def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
     cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
            "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}.get(config.model_type,
                                                                               transformers.AutoModelForCausalLM)
-    extra = {"experts_implementation": "eager"} if config.model_type in ("qwen3_next", "qwen3_5_moe") else {}
+    moe = ("qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h")
+    extra = {"experts_implementation": "eager"} if config.model_type in moe else {}
     return cls.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **extra).eval()
