@@ -230,7 +230,6 @@ def block_stack(dec: Decoder, h: str, n: int, eps: float, norm, mixer, final_nor
         if i + 1 < n:
             with g.scope(f"model/layers.{i + 1}"):
                 x, h = g.skip_rms_norm(y, h, norm(i + 1), eps, "norm")
-        else:
-            with g.scope("model/norm_f"):
-                x, h = g.skip_rms_norm(y, h, final_norm, eps, "norm_f")
+        else:  # the final norm runs on the kept rows only (logits_to_keep)
+            x = dec.final_norm(y, h, final_norm, eps)
     return x
