@@ -25,7 +25,8 @@ from .checkpoint import Checkpoint
 from .graph import Graph
 from .weights import Weights
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 DEFAULT_WINDOW = 8
 
 

@@ -70,14 +70,16 @@ MODEL_TYPES = tuple(SPECS)
 _INIT = {"qwen3_next": 0.1, "qwen3_5_text": 0.15, "qwen3_5": 0.15}
 
 
-def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
-    """A byte-level BPE trained on a few sentences, padded with extra special tokens to exactly vocab_size."""
+def make_tokenizer(vocab_size: int = VOCAB, specials: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE trained on a few sentences, then `specials` (chat control tokens) as special tokens, padded
+    with extra special tokens to exactly vocab_size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_TEXT, trainer)
+    tok.add_special_tokens(list(specials))
     missing = vocab_size - tok.get_vocab_size()
     if missing < 0:
         raise ValueError(f"tokenizer came out with {tok.get_vocab_size()} tokens, more than {vocab_size}")
