@@ -3,10 +3,11 @@ will actually run snapspec's graphs on this machine, with the reason when one wi
 
 from __future__ import annotations
 
-import json
 import platform
 
 import onnxruntime as ort
+
+from .options import add_json_flag
 
 
 def _adapters() -> tuple[list[dict], str | None]:
@@ -71,19 +72,21 @@ def diagnose() -> dict:
 
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("doctor", help="which execution providers will work here, and why not")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p, "the diagnosis")
 
 
 def run(args) -> int:
+    from .options import console, json_to_stdout, write_json
+
     info = diagnose()
     if args.json:
-        print(json.dumps(info, indent=2))
+        write_json(args, info)
+    if json_to_stdout(args):
         return 0
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    con = Console()
+    con = console()
     con.print(f"onnxruntime {info['onnxruntime']} on {info['platform']}, Python {info['python']}")
     t = Table(title="execution providers")
     t.add_column("--ep")
