@@ -12,12 +12,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-from tokenizers import processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tiny import EOS, VOCAB, make_tokenizer
+from tiny import EOS, VOCAB, make_tiny, make_tokenizer
 
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|startoftext|>", "<|tool_call_start|>",
             "<|tool_call_end|>", "<|tool_response_start|>", "<|tool_response_end|>")
@@ -99,10 +98,43 @@ CHATML = """{% for message in messages %}
 STYLES = ("qwen35", "lfm2", "chatml")
 
 
-def write_tokenizer(folder: Path, style: str, vocab_size: int = VOCAB) -> Path:
-    """tokenizer.json with the chat control tokens, and the style's template and special-token files."""
+def char_tokenizer(vocab_size: int) -> Tokenizer:
+    """One token per printable ASCII character and newline (no merges), the chat control tokens, padding. Any
+    sequence of its tokens decodes to text that encodes back to the same tokens, as a trained model's replies
+    mostly do; a tiny random model over a BPE vocabulary emits byte tokens that do not (invalid UTF-8), so the
+    multi-turn tests, which count the tokens a turn reuses, use this one."""
+    printable = [0x0A] + list(range(0x20, 0x7F))
+    vocab = {EOS: 0, **{_BYTE_CHAR[b]: i + 1 for i, b in enumerate(printable)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS, *SPECIALS])
+    tok.add_special_tokens([f"<|extra_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
+    assert tok.get_vocab_size() == vocab_size
+    return tok
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> character table that byte-level tokenizers use: printable bytes stand for themselves, the
+    others for chr(256 + n) in order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b], n = chr(256 + n), n + 1
+    return table
+
+
+_BYTE_CHAR = _byte_chars()
+
+
+def write_tokenizer(folder: Path, style: str, vocab_size: int = VOCAB, chars: bool = False) -> Path:
+    """tokenizer.json with the chat control tokens (BPE, or one token per character), and the style's template and
+    special-token files."""
     folder.mkdir(parents=True, exist_ok=True)
-    tok = make_tokenizer(vocab_size, SPECIALS)
+    tok = char_tokenizer(vocab_size) if chars else make_tokenizer(vocab_size, SPECIALS)
     if style == "lfm2":  # as LFM2's tokenizer.json: plain text gets <|startoftext|> (templates write their own)
         bos = "<|startoftext|>"
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
@@ -130,12 +162,15 @@ def write_tokenizer(folder: Path, style: str, vocab_size: int = VOCAB) -> Path:
     return folder
 
 
-def make_chat_checkpoint(src: Path, folder: Path, style: str) -> Path:
-    """A copy of a tiny checkpoint that is a chat model: control tokens, a template, <|im_end|> as end of turn."""
-    shutil.copytree(src, folder)
-    write_tokenizer(folder, style)
-    im_end = json.loads((folder / "tokenizer.json").read_text())
-    im_end = next(t["id"] for t in im_end["added_tokens"] if t["content"] == "<|im_end|>")
+CHAT_VOCAB = 128
+
+
+def make_chat_model(model_type: str, folder: Path, style: str = "chatml") -> Path:
+    """A tiny random chat checkpoint: the character tokenizer (CHAT_VOCAB tokens), the style's template, and
+    <|im_end|> as an end of turn in generation_config.json."""
+    make_tiny(model_type, folder, vocab_size=CHAT_VOCAB, tokenizer=char_tokenizer(CHAT_VOCAB))
+    write_tokenizer(folder, style, CHAT_VOCAB, chars=True)
+    im_end = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
     (folder / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 0, "eos_token_id": [0, im_end], "pad_token_id": 0}))
     return folder

@@ -89,8 +89,9 @@ def make_tokenizer(vocab_size: int = VOCAB, specials: tuple[str, ...] = ()) -> T
 
 
 def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range: float | None = None,
-              vocab_size: int = VOCAB, **overrides) -> Path:
-    """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`."""
+              vocab_size: int = VOCAB, tokenizer: Tokenizer | None = None, **overrides) -> Path:
+    """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`
+    (tokenizer: one of vocab_size tokens to save instead of make_tokenizer's)."""
     config_cls, model_cls, kwargs = SPECS[model_type]
     initializer_range = initializer_range or _INIT.get(model_type, 0.2)
     kwargs = {**kwargs, **overrides}
@@ -108,7 +109,7 @@ def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(folder)
-    make_tokenizer(vocab_size).save(str(folder / "tokenizer.json"))
+    (tokenizer or make_tokenizer(vocab_size)).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS, "pad_token": EOS,
          "model_max_length": 512}, indent=2))
