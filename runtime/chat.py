@@ -1,12 +1,18 @@
 """Conversations: messages rendered by the model's chat template, generated over contexts that live across turns.
 
-A ChatSession keeps one target context (and one drafter context) for its whole life. Each turn renders the whole
-conversation and hands it to a Generator with those contexts, which keep what they already hold in common with it
-(Context.resume): a turn prefills only what is new, the end of the last reply, the new user message and the
-generation prompt. Where the template renders an earlier turn otherwise than the model generated it (a reply whose
-text tokenizes differently, reasoning that a Qwen-style template drops from earlier turns), the contexts return to
-the common prefix if rollback reaches it and start over if not; each turn's stats say how many prompt tokens were
-prefilled and how many reused.
+A PromptCache holds one target context and one drafter context for many generations (the turns of a ChatSession,
+the requests of `snapspec serve`). Each generation renders the whole conversation; the contexts keep what they
+already hold in common with it (Context.resume), so a turn prefills only what is new: the end of the last reply,
+the new user message and the generation prompt.
+
+Where the template renders an earlier turn otherwise than the model generated it, the common prefix ends inside or
+just before the last reply: the generation prompt is not always how the template writes a finished assistant turn
+(a ChatML template with a stray newline; Qwen3's "<think></think>" when thinking is off), and Qwen-style templates
+drop the reasoning of earlier turns. Rollback reaches only the last few tokens, so instead of starting over, each
+context keeps a mark: a copy of its recurrent state where the conversation ended before the generation prompt
+(KV rows before it are never rewritten while the context stays past it). The next turn returns to the mark when
+that keeps more than rollback can, and re-prefills the last reply and what follows. Each turn's stats say how
+many prompt tokens were prefilled and how many reused.
 
 Without a chat template (raw=True) the conversation is the concatenation of its messages' contents, with BOS as the
 tokenizer adds it: the model continues the text.
@@ -25,8 +31,9 @@ from snapspec import SnapspecError
 from .context import Context, default_mode
 from .generation import Generator, final_text, stream_text
 from .model import Model
+from .state.checkpoint import Checkpoint
 from .stats import Stats
-from .template import ChatFormat
+from .template import ChatFormat, normalize_messages
 
 
 def chat_format(model: Model) -> ChatFormat:
@@ -37,11 +44,29 @@ def prompt_ids(model: Model, messages, *, raw: bool = False, fmt: ChatFormat | N
                **template_kwargs) -> list[int]:
     """The token ids a generation from `messages` starts with: the chat template with the generation prompt, or
     (raw) the contents concatenated as plain text."""
+    return conversation_ids(model, messages, raw=raw, fmt=fmt, **template_kwargs)[0]
+
+
+def conversation_ids(model: Model, messages, *, raw: bool = False, fmt: ChatFormat | None = None,
+                     **template_kwargs) -> tuple[list[int], int]:
+    """(ids, base): the prompt ids, and how many of them the conversation has before its generation prompt (where
+    a PromptCache marks the state)."""
     fmt = fmt or chat_format(model)
     if raw:
-        from .template import normalize_messages
-        return fmt.encode_text("".join(_text(m.get("content", "")) for m in normalize_messages(messages)))
-    return fmt.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
+        ids = fmt.encode_text("".join(_text(m.get("content", "")) for m in normalize_messages(messages)))
+        return ids, len(ids) - 1
+    ids = fmt.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
+    done = fmt.encode_chat(messages, add_generation_prompt=False, **template_kwargs)
+    return ids, min(common_prefix(ids, done), len(ids) - 1)
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def chat(target: Model, messages, *, drafter: Model | None = None, raw: bool = False, template_kwargs=None,
@@ -74,8 +99,8 @@ class SessionStats:
 
     def add(self, s: Stats) -> None:
         self.turns += 1
-        self.prompt_prefilled += prefilled(s)
-        self.prompt_reused += reused(s)
+        self.prompt_prefilled += s.prompt_prefilled
+        self.prompt_reused += s.prompt_reused
         self.new_tokens += s.new_tokens
         self.drafted += s.drafted
         self.accepted += s.accepted
@@ -87,12 +112,105 @@ class SessionStats:
         return self.accepted / self.drafted if self.drafted else None
 
 
-def prefilled(s: Stats) -> int:
-    return getattr(s, "prompt_prefilled", s.prompt_tokens)
+class _Mark:
+    """A context's recurrent state at one position, copied aside (KV needs no copy: rows before the position stay
+    as long as the context does not go back past it, and rows rewritten for the same tokens are the same)."""
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.copy = Checkpoint(ctx.recurrent, ctx.device, ctx.copy) if ctx.recurrent is not None else None
+        self.tokens: list[int] | None = None
+
+    def save(self) -> None:
+        if self.copy is not None:
+            self.copy.save(self.ctx.n_past)
+        self.tokens = list(self.ctx.tokens)
+
+    def usable(self, ids) -> int:
+        """The mark's position if the context still holds its tokens and `ids` starts with them, else 0."""
+        t, held = self.tokens, self.ctx.tokens
+        if not t or len(held) < len(t) or held[:len(t)] != t or list(ids[:len(t)]) != t:
+            return 0
+        return len(t)
+
+    def restore(self) -> None:
+        pos = len(self.tokens)
+        if self.copy is not None:
+            self.copy.restore(pos)
+        self.ctx.n_past = pos
+        del self.ctx.tokens[pos:]
 
 
-def reused(s: Stats) -> int:
-    return getattr(s, "prompt_reused", 0)
+class PromptCache:
+    """A target context (and a drafter context) that live across generations, each with a mark (module doc)."""
+
+    def __init__(self, target: Model, drafter: Model | None = None, context: int | None = None,
+                 window: int | None = None):
+        window = int(window or target.manifest.rollback["window"])
+        limit = min(m.manifest.max_context for m in (target, drafter) if m is not None)
+        ctx_len = min(int(context or limit), limit)
+        self.tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
+        self.dctx = None if drafter is None else Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
+                                                         window=window)
+        self.marks = [_Mark(c) for c in (self.tctx, self.dctx) if c is not None]
+        self.costs = None  # the adaptive draft length's cost model, measured once and handed to each Generator
+
+    @property
+    def max_len(self) -> int:
+        return self.tctx.max_len
+
+    def reset(self) -> None:
+        for mark in self.marks:
+            mark.ctx.reset()
+            mark.tokens = None
+
+    def generator(self, target: Model, ids, base: int, *, drafter: Model | None = None, **kwargs) -> Generator:
+        """A Generator over these contexts. Its first step brings each context to the longest prefix of ids it can
+        keep (rollback, else the mark), prefills it to `base` and marks the state there; the Generator prefills
+        the rest. Its stats count all of it."""
+        kwargs.setdefault("costs", self.costs)
+        return CachedGenerator(self, target, ids, base, drafter=drafter, **kwargs)
+
+    def prepare(self, ids, base: int, chunk: int | None, stats: Stats) -> int:
+        """Returns the prompt tokens the target context kept."""
+        kept_by_target = 0
+        for mark in self.marks:
+            ctx = mark.ctx
+            common = common_prefix(ctx.tokens, ids[:-1])
+            reach = ctx.positions()
+            by_rollback = common if reach is None else max((p for p in reach if p <= common), default=0)
+            if by_rollback < mark.usable(ids) <= common:
+                mark.restore()
+            kept = ctx.resume(ids)
+            if kept < base:
+                calls = ctx.prefill(ids[kept:base], chunk, logits=False).forwards
+                if ctx is self.tctx:
+                    stats.target_forwards += calls
+                else:
+                    stats.drafter_forwards += calls
+            if ctx.n_past == base:
+                mark.save()
+            if ctx is self.tctx:
+                kept_by_target = kept
+        return kept_by_target
+
+
+class CachedGenerator(Generator):
+    """A Generator over a PromptCache's contexts that runs PromptCache.prepare first (inside its prefill time)."""
+
+    def __init__(self, cache: PromptCache, target: Model, ids, base: int, **kwargs):
+        super().__init__(target, ids, target_ctx=cache.tctx, drafter_ctx=cache.dctx, context=cache.max_len, **kwargs)
+        self.cache, self.base = cache, base
+
+    def __iter__(self):
+        with self.stats.span("prefill"):
+            kept = self.cache.prepare(self.prompt, self.base, self.prefill_chunk, self.stats)
+        for out in super().__iter__():
+            self.stats.prompt_reused, self.stats.prompt_prefilled = kept, len(self.prompt) - kept
+            yield out
+        self.stats.prompt_reused, self.stats.prompt_prefilled = kept, len(self.prompt) - kept
+        if self.costs is not None:
+            self.cache.costs = self.costs
 
 
 class ChatSession:
@@ -108,12 +226,7 @@ class ChatSession:
             self.format.render([{"role": "user", "content": ""}])  # raises the one-line error naming the fix
         self.template_kwargs = dict(template_kwargs or {})
         self.generation = generation
-        window = int(generation.get("window") or target.manifest.rollback["window"])
-        limit = min(m.manifest.max_context for m in (target, drafter) if m is not None)
-        ctx_len = min(int(context or limit), limit)
-        self.tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
-        self.dctx = None if drafter is None else Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
-                                                         window=window)
+        self.cache = PromptCache(target, drafter, context, generation.get("window"))
         self.system = system
         self.messages: list[dict] = []
         self.totals = SessionStats()
@@ -122,19 +235,17 @@ class ChatSession:
 
     @property
     def context_length(self) -> int:
-        return self.tctx.max_len
+        return self.cache.max_len
+
+    @property
+    def tctx(self) -> Context:
+        return self.cache.tctx
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and empty the contexts."""
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.tctx.reset()
-        if self.dctx is not None:
-            self.dctx.reset()
+        self.cache.reset()
         self.totals = SessionStats()
-
-    def prompt_ids(self, messages=None) -> list[int]:
-        return prompt_ids(self.target, self.messages if messages is None else messages, raw=self.raw,
-                          fmt=self.format, **self.template_kwargs)
 
     def reply(self, text: str, **overrides) -> Iterator[str]:
         """Add a user message and generate the answer: text pieces as they become final. The answer joins the
@@ -143,16 +254,19 @@ class ChatSession:
         and the message is not added."""
         self.messages.append({"role": "user", "content": text})
         try:
-            gen = Generator(self.target, self.prompt_ids(), drafter=self.drafter, target_ctx=self.tctx,
-                            drafter_ctx=self.dctx, context=self.tctx.max_len, **{**self.generation, **overrides})
-        except SnapspecError:
+            ids, base = conversation_ids(self.target, self.messages, raw=self.raw, fmt=self.format,
+                                         **self.template_kwargs)
+            gen = self.cache.generator(self.target, ids, base, drafter=self.drafter,
+                                       **{**self.generation, **overrides})
+        except BaseException:  # a prompt that does not fit, a template error, an interrupt
             self.messages.pop()
             raise
-        stop_at_end_of_turn(gen, self.format)
+        if gen.eos:
+            gen.eos |= self.format.end_of_turn_ids
         self.last = gen
         return self._run(gen)
 
-    def _run(self, gen: Generator) -> Iterator[str]:
+    def _run(self, gen) -> Iterator[str]:
         try:
             yield from stream_text(gen)
         finally:

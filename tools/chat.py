@@ -25,7 +25,7 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--system", help="system message at the start of the conversation")
     p.add_argument("--no-chat-template", action="store_true",
                    help="no template: the conversation is its messages' text joined, and the model continues it")
-    add_generation_flags(p, max_new_tokens=512)
+    add_generation_flags(p, max_new_tokens=512, context_default="the export's max_context")
     runtime_flags(p)
 
 
@@ -60,7 +60,10 @@ def run(args) -> int:
             if _command(session, text):
                 return 0
             continue
-        _turn(session, line)
+        try:
+            _turn(session, line)
+        except KeyboardInterrupt:  # a second Ctrl-C before the reply started
+            print()
 
 
 def _command(session, text: str) -> bool:
@@ -81,35 +84,32 @@ def _command(session, text: str) -> bool:
 
 
 def _turn(session, line: str) -> None:
-    try:
-        pieces = session.reply(line)
-    except SnapspecError as exc:
-        _note(f"error: {exc}" + ("; /reset starts a new conversation" if "context" in str(exc) else ""))
-        return
-    try:
-        with interruptible() as stop:
+    with interruptible() as stop:
+        try:
+            pieces = session.reply(line)
+        except SnapspecError as exc:
+            _note(f"error: {exc}" + ("; /reset starts a new conversation" if "context" in str(exc) else ""))
+            return
+        try:
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
                 if stop.set:
                     break
-    except KeyboardInterrupt:  # a second Ctrl-C, maybe inside a forward: the contexts start over next turn
-        session.tctx.reset()
-        if session.dctx is not None:
-            session.dctx.reset()
-    finally:
-        pieces.close()  # the reply (so far) joins the conversation
+        except KeyboardInterrupt:  # a second Ctrl-C, maybe inside a forward: the contexts start over next turn
+            session.cache.reset()
+        finally:
+            pieces.close()  # the reply (so far) joins the conversation
     sys.stdout.write("\n")
     sys.stdout.flush()
     _note(_turn_line(session))
 
 
 def _turn_line(session) -> str:
-    from snapspec.runtime.chat import prefilled, reused
     gen = session.last
     s = gen.stats
     parts = [f"turn {session.totals.turns}: {s.new_tokens} tokens", f"stop {gen.stop_reason}",
-             f"prompt {prefilled(s)} prefilled + {reused(s)} reused"]
+             f"prompt {s.prompt_prefilled} prefilled + {s.prompt_reused} reused"]
     if s.decode_tokens_per_s:
         parts.append(f"{s.decode_tokens_per_s:.1f} tok/s")
     if s.drafted:

@@ -185,8 +185,8 @@ def snapspec_field(gen) -> dict:
     """The speculation counters of one generation (an extension beside `usage`)."""
     s = gen.stats
     return {"acceptance": s.acceptance, "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
-            "rollbacks": dict(s.rollbacks), "prompt_prefilled": getattr(s, "prompt_prefilled", s.prompt_tokens),
-            "prompt_reused": getattr(s, "prompt_reused", 0), "decode_tokens_per_s": s.decode_tokens_per_s,
+            "rollbacks": dict(s.rollbacks), "prompt_prefilled": s.prompt_prefilled, "prompt_reused": s.prompt_reused,
+            "decode_tokens_per_s": s.decode_tokens_per_s,
             "stop_reason": gen.stop_reason}
 
 

@@ -49,7 +49,8 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                         "for a small drafter)")
 
 
-def add_generation_flags(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+def add_generation_flags(p: argparse.ArgumentParser, max_new_tokens: int = 128,
+                         context_default: str = "prompt + max-new-tokens + rollback window") -> None:
     """Flags of commands that generate text: length, drafting, sampling, stops, context."""
     p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
                    help=f"most tokens to generate (default {max_new_tokens})")
@@ -64,7 +65,9 @@ def add_generation_flags(p: argparse.ArgumentParser, max_new_tokens: int = 128) 
     p.add_argument("--rollback", choices=["auto", "checkpoint"], default="auto",
                    help="auto: bounded rollback; checkpoint: copy and restore state every round (the slow baseline)")
     p.add_argument("--context", type=positive_int, default=None,
-                   help="context length in tokens (default: the export's max_context)")
+                   help=f"context length to allocate, in tokens (default: {context_default})")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="prompt tokens per prefill forward (default 512; bounds prefill memory)")
 
 
 def generation_kwargs(args) -> dict:
@@ -72,7 +75,7 @@ def generation_kwargs(args) -> dict:
     from snapspec.runtime import SamplingParams
     return {"max_new_tokens": args.max_new_tokens, "draft_max": args.draft_max, "rollback": args.rollback,
             "sampling": SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
-            "stop_strings": args.stop, "stop_at_eos": not args.ignore_eos}
+            "stop_strings": args.stop, "stop_at_eos": not args.ignore_eos, "prefill_chunk": args.prefill_chunk}
 
 
 def add_json_flag(p: argparse.ArgumentParser, what: str = "the result") -> None:

@@ -41,15 +41,17 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--model-id", default=None, help="the model's name in the API (default: the target folder's name)")
     p.add_argument("--no-chat-template", action="store_true",
                    help="chat requests join their messages' text instead of rendering the chat template")
-    add_generation_flags(p, max_new_tokens=512)  # the defaults for requests that leave a setting out
+    # the defaults for requests that leave a setting out
+    add_generation_flags(p, max_new_tokens=512, context_default="the export's max_context")
     runtime_flags(p)
 
 
 class Job:
     """One request on its way through the queue. The worker thread reports through `events` (streaming)."""
 
-    def __init__(self, settings: api.Settings, ids: list[int], model: str, loop: asyncio.AbstractEventLoop):
-        self.settings, self.ids, self.model, self.loop = settings, ids, model, loop
+    def __init__(self, settings: api.Settings, ids: list[int], base: int, model: str,
+                 loop: asyncio.AbstractEventLoop):
+        self.settings, self.ids, self.base, self.model, self.loop = settings, ids, base, model, loop
         self.id, self.created = api.new_id(settings.kind), api.now()
         self.cancelled = False  # set by the event loop when the client is gone; read by the worker between steps
         self.gen = None
@@ -64,19 +66,13 @@ class Worker:
     """One model's queue: a single thread runs the jobs in order over contexts it keeps between them."""
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict):
-        from snapspec.runtime.chat import chat_format
-        from snapspec.runtime.context import Context, default_mode
+        from snapspec.runtime.chat import PromptCache, chat_format
 
         self.target, self.drafter, self.model_id, self.raw, self.defaults = target, drafter, model_id, raw, defaults
         self.format = chat_format(target)
         if not raw and not self.format.has_template:
             self.format.render([{"role": "user", "content": ""}])  # the one-line error naming --no-chat-template
-        limit = min(m.manifest.max_context for m in (target, drafter) if m is not None)
-        ctx_len = min(context or limit, limit)
-        window = target.manifest.rollback["window"]
-        self.tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
-        self.dctx = None if drafter is None else Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
-                                                         window=window)
+        self.cache = PromptCache(target, drafter, context)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapspec-{model_id}")
         self.counts = {"waiting": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
         self.current: Job | None = None
@@ -84,20 +80,21 @@ class Worker:
 
     @property
     def context_length(self) -> int:
-        return self.tctx.max_len
+        return self.cache.max_len
 
-    def prompt_ids(self, s: api.Settings) -> list[int]:
-        from snapspec.runtime.chat import prompt_ids
+    def prompt_ids(self, s: api.Settings) -> tuple[list[int], int]:
+        """(ids, base): the prompt, and where the conversation before its generation prompt ends (chat.py)."""
+        from snapspec.runtime.chat import conversation_ids
         try:
             if s.kind == "chat":
-                ids = prompt_ids(self.target, s.messages, raw=self.raw, fmt=self.format, **s.template_kwargs)
-            elif isinstance(s.prompt, str):
-                ids = self.format.encode_text(s.prompt)
+                ids, base = conversation_ids(self.target, s.messages, raw=self.raw, fmt=self.format,
+                                             **s.template_kwargs)
             else:
-                ids = list(s.prompt)
-                if max(ids) >= self.target.vocab_size:
-                    raise api.ApiError(400, f"token id {max(ids)} is outside the vocabulary of "
-                                            f"{self.target.vocab_size}", "prompt")
+                ids = self.format.encode_text(s.prompt) if isinstance(s.prompt, str) else list(s.prompt)
+                base = len(ids) - 1
+            if ids and max(ids) >= self.target.vocab_size:
+                raise api.ApiError(400, f"token id {max(ids)} is outside the vocabulary of "
+                                        f"{self.target.vocab_size}", "prompt")
         except SnapspecError as exc:  # the chat template refused the messages
             raise api.ApiError(400, str(exc), "messages") from None
         if not ids:
@@ -106,7 +103,7 @@ class Worker:
             raise api.ApiError(400, f"the prompt is {len(ids)} tokens; this server's context is "
                                     f"{self.context_length} (at least one new token must fit)",
                                "messages" if s.kind == "chat" else "prompt", "context_length_exceeded")
-        return ids
+        return ids, base
 
     def generator_kwargs(self, s: api.Settings) -> dict:
         from snapspec.runtime import SamplingParams
@@ -127,7 +124,7 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         """In the worker thread."""
-        from snapspec.runtime import Generator, final_text, stream_text
+        from snapspec.runtime import final_text, stream_text
         from snapspec.runtime.chat import stop_at_end_of_turn
 
         with self._lock:
@@ -139,8 +136,8 @@ class Worker:
             if job.cancelled:
                 self._count("cancelled")
                 return
-            gen = Generator(self.target, job.ids, drafter=self.drafter, target_ctx=self.tctx, drafter_ctx=self.dctx,
-                            context=self.context_length, **self.generator_kwargs(job.settings))
+            gen = self.cache.generator(self.target, job.ids, job.base, drafter=self.drafter,
+                                       **self.generator_kwargs(job.settings))
             if job.settings.kind == "chat" and not self.raw:
                 stop_at_end_of_turn(gen, self.format)
             job.gen = gen
@@ -151,17 +148,15 @@ class Worker:
                     break
             job.text = final_text(gen)
             self._count("cancelled" if job.cancelled else "served")
-            _log(f"{job.id} {job.settings.kind}: {len(job.ids)} prompt tokens ("
-                 f"{getattr(gen.stats, 'prompt_reused', 0)} reused), {len(gen.tokens)} tokens, stop "
+            _log(f"{job.id} {job.settings.kind}: {len(job.ids)} prompt tokens ({gen.stats.prompt_reused} reused), "
+                 f"{len(gen.tokens)} tokens, stop "
                  f"{gen.stop_reason}{' (client disconnected)' if job.cancelled else ''}, "
                  f"{time.perf_counter() - start:.2f} s" + (f", acceptance {gen.stats.acceptance:.2f}"
                                                            if gen.stats.drafted else ""))
         except Exception as exc:  # reported to the client as JSON; the worker goes on with the next job
             self._count("failed")
             if not isinstance(exc, SnapspecError):  # a generation interrupted inside a forward: start afresh
-                self.tctx.reset()
-                if self.dctx is not None:
-                    self.dctx.reset()
+                self.cache.reset()
             _log(f"{job.id} failed: {exc}")
             raise
         finally:
@@ -205,10 +200,10 @@ def build_app(worker: Worker):
     async def complete(request, kind: str):
         try:
             settings = api.parse(await read_body(request), kind, [worker.model_id])
-            ids = worker.prompt_ids(settings)
+            ids, base = worker.prompt_ids(settings)
         except api.ApiError as exc:
             return error(exc)
-        job = Job(settings, ids, worker.model_id, asyncio.get_running_loop())
+        job = Job(settings, ids, base, worker.model_id, asyncio.get_running_loop())
         future = worker.submit(job)
         if settings.stream:
             return StreamingResponse(_events(job, future, request), media_type="text/event-stream",
