@@ -30,7 +30,7 @@ def _adapters() -> tuple[list[dict], str | None]:
 
 
 def diagnose() -> dict:
-    from snapspec.runtime.providers import PROVIDERS, available
+    from snapspec.runtime.providers import CUDA_INSTALL, PROVIDERS, available
 
     installed = ort.get_available_providers()
     usable = available()
@@ -58,7 +58,7 @@ def diagnose() -> dict:
             except ImportError:
                 verdict[ep] = "not installed: pip install 'snapspec[webgpu]'"
         elif ep == "cuda":
-            verdict[ep] = "not installed: onnxruntime-gpu (see README for the swap of the onnxruntime wheel)"
+            verdict[ep] = f"not installed: {CUDA_INSTALL} (and an NVIDIA driver for CUDA 13)"
         elif ep == "dml":
             verdict[ep] = "Windows only: pip install 'snapspec[directml]'" if platform.system() != "Windows" else \
                 "not installed: pip install 'snapspec[directml]'"
