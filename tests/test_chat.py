@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pexpect
 import pytest
 
-from snapspec.runtime import ChatSession, final_text, generate, load
+from snapspec.runtime import ChatSession, Context, final_text, generate, load
 from snapspec.runtime.chat import chat_format, common_prefix, conversation_ids, prompt_ids
 
 SNAPSPEC = str(Path(sys.executable).parent / "snapspec")
@@ -128,6 +129,12 @@ def test_mark_returns_to_the_conversation_before_the_generation_prompt(chat_expo
             ids, base = conversation_ids(target, previous)  # the conversation before the last generation prompt
             assert common_prefix(session.last.prompt, ids) == len(ids) - 1  # diverges at the last prompt's end
             assert s.prompt_reused == base and 0 < base < len(ids)  # back to the mark, not to 0
+        for ctx in (session.cache.tctx, session.cache.dctx):  # the state is what the tokens held give, afresh
+            fresh = Context(ctx.model, ctx.max_len)
+            fresh.prefill(ctx.tokens, logits=False)
+            want, got = fresh.state_snapshot(), ctx.state_snapshot()
+            for name in want:
+                assert np.allclose(got[name], want[name], rtol=1e-4, atol=1e-5), name
         previous = session.messages[:-1]
     assert session.totals.turns == 3
 
@@ -190,3 +197,32 @@ def test_generate_ignore_eos_and_ctrl_c_partial_json(tmp_path, chat_export):
     assert p.exitstatus == 130 and partial["stop_reason"] == "interrupted"
     assert 0 < len(partial["token_ids"]) < 480 and partial["stats"]["new_tokens"] == len(partial["token_ids"])
     assert "stop: interrupted" in out  # the stats line
+
+
+def test_mark_with_window_and_ring_stores(tmp_path, monkeypatch):
+    """The mark over the other state stores: a target on a state-window graph (CUDA's, emulated on CPU by
+    test_window_cpu's synthetic model) and a drafter on ring slots. A second prompt that leaves the first one right
+    after its mark comes back there, and decodes what a fresh context decodes."""
+    from test_window_cpu import _make
+
+    from snapspec.runtime import Generator, PromptCache
+    from snapspec.runtime import model as model_mod
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "d").mkdir()
+    folder = _make(tmp_path / "t")
+    monkeypatch.setattr(model_mod, "_forward_graph", lambda m, ep, role, recurrent: "forward_window")
+    target = load(folder, threads=1)
+    monkeypatch.undo()
+    drafter = load(_make(tmp_path / "d", decay=0.7499), threads=1, role="drafter")
+    assert target.state_window and drafter.state_window is None
+    cache = PromptCache(target, drafter, context=200)
+    first = list(range(3, 40))
+    gen = cache.generator(target, first, 30, drafter=drafter, max_new_tokens=24, draft_max=3, stop_at_eos=False)
+    gen.run()
+    assert gen.stats.prompt_reused == 0 and "target:window" in gen.modes_used
+    second = first[:30] + [9, 8, 7] + gen.tokens + [1, 2]  # differs from the first prompt right after the mark
+    gen2 = cache.generator(target, second, len(second) - 1, drafter=drafter, max_new_tokens=24, draft_max=3,
+                           stop_at_eos=False)
+    assert gen2.run() == Generator(target, second, max_new_tokens=24, stop_at_eos=False).run()
+    assert gen2.stats.prompt_reused == 30 and gen2.stats.prompt_prefilled == len(second) - 30
