@@ -315,15 +315,16 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     target, drafter = load_models(args, args.target, args.drafter)
     check_pair(target, drafter)
+    threads = args.threads_used["target"] if isinstance(args.threads_used["target"], int) else None  # as loaded
     con = console(stderr=True)
     n_cfg = len(ks) * (2 if args.rollback == "both" else 1) + (args.draft_max == "auto")
     total = args.reps * len(prompts) * (n_cfg + 2 + args.vs_genai)
     with Progress(console=con, transient=True) as bar:
         task = bar.add_task("bench", total=total)
         result = run_bench(target, drafter, prompts, ks, max_new_tokens=args.max_new_tokens, reps=args.reps,
-                           rollback=args.rollback, adaptive=args.draft_max == "auto", threads=args.threads,
+                           rollback=args.rollback, adaptive=args.draft_max == "auto", threads=threads,
                            progress=lambda: bar.advance(task), vs_genai=args.vs_genai)
-    result["provenance"] = provenance(target, drafter, args.threads)
+    result["provenance"] = provenance(target, drafter, args.threads_used)
     result["command"] = "snapspec " + " ".join(sys.argv[1:])
     print_table(result, stderr=args.json == "-")
     if args.json:

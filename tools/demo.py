@@ -78,8 +78,6 @@ def run(args) -> int:
     from snapspec.runtime import Generator, final_text
 
     con = console()
-    if args.threads is None:  # the demo pair is tiny: one thread beats thread-pool overhead
-        args.threads = 1
     t_dir, d_dir = exported_pair(log=lambda m: con.print(f"[dim]{m}[/]"))
     target, drafter = load_models(args, t_dir, d_dir)
     draft_max = args.draft_max if args.draft_max == "auto" else int(args.draft_max)
