@@ -39,7 +39,7 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-fallback", action="store_true", help="run on CPU when the provider is not installed")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="intra-op threads for the target (default: 1 for a model under 20 M parameters, else "
-                        "onnxruntime's choice, one per physical core)")
+                        "onnxruntime's choice, one per physical core; 0 asks for onnxruntime's choice)")
     p.add_argument("--recurrent-rollback", choices=["auto", "replay", "window"], default="auto",
                    help="how the target rolls back recurrent state: window (CUDA; picks one of the last W states "
                         "of the state-window graph) or replay; auto = window on CUDA when the export has that "
