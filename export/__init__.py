@@ -25,8 +25,10 @@ from .checkpoint import Checkpoint
 from .graph import Graph
 from .weights import Weights
 
+# Copied when present. The chat template travels as published: chat_template.jinja (current transformers), a
+# "chat_template" key of tokenizer_config.json (older), or chat_template.json (processor checkpoints).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
+                   "chat_template.jinja", "chat_template.json")
 DEFAULT_WINDOW = 8
 
 

@@ -1,7 +1,8 @@
 """Chat templates: a conversation (a list of messages) -> the prompt text and token ids the model was trained on.
 
 The template comes from the model folder: `chat_template.jinja`, else `chat_template` in `tokenizer_config.json` (a
-string, or a list of named templates of which "default" is used). It is data, never code: it renders in jinja2's
+string, or a list of named templates of which "default" is used), else `chat_template` in `chat_template.json` (what
+a multimodal checkpoint's processor keeps). It is data, never code: it renders in jinja2's
 ImmutableSandboxedEnvironment, set up as transformers' `apply_chat_template` sets up its own (trim_blocks,
 lstrip_blocks, loop controls; `raise_exception`, `strftime_now`, `namespace`, `dict`, a `tojson` that does not escape
 HTML) and given the same variables (the tokenizer config's special tokens: `bos_token`, `eos_token`, ...), so the same
@@ -29,6 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from snapspec import SnapspecError
 
 TEMPLATE_FILE = "chat_template.jinja"
+PROCESSOR_FILE = "chat_template.json"
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning arrives under; templates read `reasoning_content` (Qwen) or `thinking` (gpt-oss).
 _REASONING = ("reasoning_content", "thinking", "reasoning")
@@ -60,7 +62,12 @@ class ChatFormat:
         if (folder / TEMPLATE_FILE).is_file():
             template, source = (folder / TEMPLATE_FILE).read_text(encoding="utf-8"), f"{folder / TEMPLATE_FILE}"
         elif config.get("chat_template") is not None:
-            template, source = _pick_template(config["chat_template"], folder), f"{folder / 'tokenizer_config.json'}"
+            template, source = _pick_template(config["chat_template"], folder / "tokenizer_config.json"), \
+                f"{folder / 'tokenizer_config.json'}"
+        elif (folder / PROCESSOR_FILE).is_file():  # a multimodal checkpoint's processor template
+            value = _read_json(folder / PROCESSOR_FILE).get("chat_template")
+            if value is not None:
+                template, source = _pick_template(value, folder / PROCESSOR_FILE), f"{folder / PROCESSOR_FILE}"
         return cls(tokenizer, template, special, source=source or f"{folder} (no chat template)")
 
     @property
@@ -151,16 +158,15 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _pick_template(value, folder: Path) -> str:
+def _pick_template(value, where: Path) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, list):  # [{"name": ..., "template": ...}]: transformers uses "default" without tools
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-        raise SnapspecError(f"{folder}/tokenizer_config.json has named chat templates ({', '.join(map(str, named))}) "
-                            "but none called default")
-    raise SnapspecError(f"{folder}/tokenizer_config.json: chat_template must be a string or a list of named templates")
+        raise SnapspecError(f"{where} has named chat templates ({', '.join(map(str, named))}) but none called default")
+    raise SnapspecError(f"{where}: chat_template must be a string or a list of named templates")
 
 
 @lru_cache(maxsize=8)

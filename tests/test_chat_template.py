@@ -4,11 +4,13 @@ tokenizer config says; templates run sandboxed."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import transformers
 from tokenizers import Tokenizer
 
-from chat_models import STYLES, write_tokenizer
+from chat_models import CHATML, STYLES, write_tokenizer
 from snapspec import SnapspecError
 from snapspec.runtime.template import ChatFormat
 
@@ -90,6 +92,11 @@ def test_end_of_turn_and_template_sources(folders, tmp_path):
     assert fmt.end_of_turn_ids == {fmt.tokenizer.token_to_id("<|im_end|>")}
     assert fmt.source.endswith("chat_template.jinja")
     assert _format(folders["lfm2"]).source.endswith("tokenizer_config.json")
+    processor = write_tokenizer(tmp_path / "processor", "chatml")  # a multimodal checkpoint's chat_template.json
+    (processor / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}))
+    (processor / "chat_template.jinja").unlink()
+    assert _format(processor).source.endswith("chat_template.json")
+    assert _format(processor).encode_chat(CONVERSATIONS["multi-turn"]) == fmt.encode_chat(CONVERSATIONS["multi-turn"])
     bare = write_tokenizer(tmp_path / "bare", "chatml")
     (bare / "chat_template.jinja").unlink()
     fmt = _format(bare)
