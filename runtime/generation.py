@@ -276,8 +276,12 @@ class _TextStream:
         return "".join(reversed(out))[-n:] if n > 0 else ""
 
 
-def generate(target: Model, prompt: str | list[int], **kwargs) -> Generator:
-    """Run a generation to the end and return the Generator (tokens, stats, stop_reason, modes_used)."""
+def generate(target: Model, prompt: str | list[int] | list[dict], **kwargs) -> Generator:
+    """Run a generation to the end and return the Generator (tokens, stats, stop_reason, modes_used). prompt: text,
+    token ids, or messages ({role, content}), which the model's chat template renders (runtime/chat.py)."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        from .chat import chat
+        return chat(target, prompt, **kwargs)
     ids = target.encode(prompt) if isinstance(prompt, str) else prompt
     gen = Generator(target, ids, **kwargs)
     gen.run()

@@ -24,6 +24,12 @@ PROVIDERS = {
 }
 # Where the KV cache and recurrent state live between calls. DirectML and CoreML run the linear-attention and conv
 # nodes on CPU (no kernels), so their state stays on the host.
+# The whole CUDA install. onnxruntime-gpu provides the same `onnxruntime` module as the CPU wheel, and pip cannot
+# install one instead of the other, so the CPU wheel goes and the GPU wheel is put back whole (uninstalling the
+# first removes files of the second). 1.31.1 is the newest onnxruntime-gpu (CUDA 13, cuDNN 9 from the nvidia wheels
+# its cuda and cudnn extras pull), the one verified on an H200; snapspec's onnxruntime range admits it.
+CUDA_INSTALL = ('pip install "snapspec[cuda]" && pip uninstall -y onnxruntime && '
+                'pip install --force-reinstall --no-deps onnxruntime-gpu==1.31.1')
 DEVICE = {"cpu": "cpu", "cuda": "cuda", "webgpu": "webgpu", "dml": "cpu", "coreml": "cpu"}
 _plugin_registered = False
 
@@ -79,7 +85,7 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[
         return ep, [PROVIDERS[ep], "CPUExecutionProvider"]
     have = ", ".join(available())
     hint = {"webgpu": "pip install 'snapspec[webgpu]' (and a Vulkan/Metal/D3D12 GPU driver)",
-            "cuda": "pip install 'snapspec[cuda]'", "dml": "pip install 'snapspec[directml]' (Windows)",
+            "cuda": f"install the GPU wheel in place of the CPU one: {CUDA_INSTALL}", "dml": "pip install 'snapspec[directml]' (Windows)",
             "coreml": "CoreML ships in onnxruntime on macOS"}[ep]
     if not allow_fallback:
         raise SnapspecError(f"execution provider {ep} is not available here (available: {have}); {hint}, "

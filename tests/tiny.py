@@ -100,14 +100,16 @@ MODEL_TYPES = tuple(SPECS)
 _INIT = {"qwen3_next": 0.1, "qwen3_5_text": 0.15, "qwen3_5": 0.15, "qwen3_5_moe": 0.1}
 
 
-def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
-    """A byte-level BPE trained on a few sentences, padded with extra special tokens to exactly vocab_size."""
+def make_tokenizer(vocab_size: int = VOCAB, specials: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE trained on a few sentences, then `specials` (chat control tokens) as special tokens, padded
+    with extra special tokens to exactly vocab_size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_TEXT, trainer)
+    tok.add_special_tokens(list(specials))
     missing = vocab_size - tok.get_vocab_size()
     if missing < 0:
         raise ValueError(f"tokenizer came out with {tok.get_vocab_size()} tokens, more than {vocab_size}")
@@ -117,8 +119,9 @@ def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
 
 
 def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range: float | None = None,
-              vocab_size: int = VOCAB, **overrides) -> Path:
-    """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`."""
+              vocab_size: int = VOCAB, tokenizer: Tokenizer | None = None, **overrides) -> Path:
+    """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`
+    (tokenizer: one of vocab_size tokens to save instead of make_tokenizer's)."""
     config_cls, model_cls, kwargs = SPECS[model_type]
     initializer_range = initializer_range or _INIT.get(model_type, 0.2)
     kwargs = {**kwargs, **overrides}
@@ -137,7 +140,7 @@ def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(folder)
-    make_tokenizer(vocab_size).save(str(folder / "tokenizer.json"))
+    (tokenizer or make_tokenizer(vocab_size)).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS, "pad_token": EOS,
          "model_max_length": 512}, indent=2))

@@ -21,6 +21,8 @@ import numpy as np
 import snapspec
 from snapspec import SnapspecError
 
+from .options import add_json_flag
+
 # -- arithmetic (unit-tested) -----------------------------------------------------------------------------------------
 
 
@@ -272,27 +274,28 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
 
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("bench", help="measure speculative vs plain decoding and the cost model")
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path, required=True)
+    p.add_argument("--target", type=Path, required=True, help="exported target folder")
+    p.add_argument("--drafter", type=Path, required=True, help="exported drafter folder (same vocabulary)")
     p.add_argument("--prompts", type=Path, required=True, help="JSON Lines with a \"prompt\" field")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--k", default="1,2,3,4,6,8", help="comma-separated draft lengths")
     p.add_argument("--draft-max", choices=["auto", "fixed"], default="auto",
                    help="auto: also run the adaptive draft length (default)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--rollback", choices=["auto", "checkpoint", "both"], default="both")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and run (default 128)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (default 3)")
+    p.add_argument("--rollback", choices=["auto", "checkpoint", "both"], default="both",
+                   help="bounded rollback, the checkpoint baseline, or both (default)")
     p.add_argument("--vs-genai", action="store_true",
                    help="also time onnxruntime-genai's plain decoding of the target folder, in the same run")
-    p.add_argument("--json", type=Path, dest="json_out")
-    p.add_argument("--plot", type=Path)
+    add_json_flag(p, "the measurements and their provenance")
+    p.add_argument("--plot", type=Path, help="write a PNG of speedup and acceptance against k (needs matplotlib)")
     runtime_flags(p)
 
 
 def run(args) -> int:
-    from .options import load_models
-    from rich.console import Console
     from rich.progress import Progress
+
+    from .options import console, load_models, write_json
 
     from snapspec.runtime.generation import check_pair
 
@@ -312,29 +315,31 @@ def run(args) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     target, drafter = load_models(args, args.target, args.drafter)
     check_pair(target, drafter)
-    con = Console(stderr=True)
+    threads = args.threads_used["target"] if isinstance(args.threads_used["target"], int) else None  # as loaded
+    con = console(stderr=True)
     n_cfg = len(ks) * (2 if args.rollback == "both" else 1) + (args.draft_max == "auto")
     total = args.reps * len(prompts) * (n_cfg + 2 + args.vs_genai)
     with Progress(console=con, transient=True) as bar:
         task = bar.add_task("bench", total=total)
         result = run_bench(target, drafter, prompts, ks, max_new_tokens=args.max_new_tokens, reps=args.reps,
-                           rollback=args.rollback, adaptive=args.draft_max == "auto", threads=args.threads,
+                           rollback=args.rollback, adaptive=args.draft_max == "auto", threads=threads,
                            progress=lambda: bar.advance(task), vs_genai=args.vs_genai)
-    result["provenance"] = provenance(target, drafter, args.threads)
+    result["provenance"] = provenance(target, drafter, args.threads_used)
     result["command"] = "snapspec " + " ".join(sys.argv[1:])
-    print_table(result)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2))
+    print_table(result, stderr=args.json == "-")
+    if args.json:
+        write_json(args, result)
     if args.plot:
         plot(result, args.plot)
     return 0
 
 
-def print_table(result: dict) -> None:
-    from rich.console import Console
+def print_table(result: dict, stderr: bool = False) -> None:
     from rich.table import Table
 
-    con = Console()
+    from .options import console
+
+    con = console(stderr)
     p = result["plain"]
     cm = result["cost_model"]
     prov = result["provenance"]
