@@ -105,7 +105,9 @@ def test_chat_ctrl_c_stops_the_turn_not_the_session(pair):
     p.expect(TURN)
     assert p.match.group(1) == "2" and int(p.match.group(5)) > 0  # reused the first turn
     p.expect("> ")
-    p.sendintr()  # Ctrl-C at the prompt clears the line
+    p.send("half a line")
+    p.sendintr()  # Ctrl-C at the prompt drops the line and prompts again
+    p.expect("> ")
     p.sendline("/exit")
     p.expect(pexpect.EOF)
     p.close()
