@@ -9,11 +9,30 @@ order, so a lookup costs O(n_max^2) (build and hash n_max - n_min + 1 short tupl
 same, whatever the sequence's length. The suffix n-grams of the sequence are indexed only when the next token
 arrives, so a lookup finds earlier occurrences only. Truncating (a sequence that was rolled back) pops the removed
 positions from the end of their lists: the index is exactly that of the shorter sequence.
+
+NgramDrafter puts the index behind the Drafter interface (drafters.py). A lookup that finds nothing proposes
+nothing, and the round is a plain target step. When sampling, each draft token's q is one-hot (the draft is
+deterministic), so the rejection rule stays exact: accept with probability p(d), else draw from p without d.
+
+Adaptive k (LookupChooser): a draft costs a lookup (microseconds), so the cost model is C(k+1) + r per round, not
+C(k+1) + k*c + r with a drafter step c, and a round is worth drafting only if it is predicted to beat a plain step.
+Copied spans make acceptance depend on the position in the draft (once a copy holds, it tends to go on), so instead
+of one per-token acceptance the chooser estimates, per draft position i, the chance that the draft survives to i.
+Each round picks the k in 0..W with the best predicted speedup, where 0 (a plain step) scores 1.0. While it drafts
+nothing, it still looks up and checks the lookup's first token against the token the plain step produced (free),
+so it notices when lookups start to match again.
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
+
 from snapspec import SnapspecError
+
+from .adaptive import Costs, DraftLengthChooser, measure_costs
+from .drafters import Draft, Drafter
 
 DEFAULT_MIN, DEFAULT_MAX = 2, 4
 LIMIT = 16  # longest n-gram accepted: beyond it a lookup costs more and matches no more often
@@ -85,3 +104,135 @@ class NgramIndex:
             p = end + i
             draft.append(seq[p] if p < size else draft[p - size])
         return draft
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafts: no model, no state to roll back. Give the target's vocabulary size (one-hot q rows)."""
+
+    def __init__(self, vocab_size: int, n_min: int = DEFAULT_MIN, n_max: int = DEFAULT_MAX):
+        self.vocab_size = int(vocab_size)
+        self.index = NgramIndex(n_min, n_max)
+        self._draft: tuple[int, list[int]] | None = None  # (len(seq), tokens) of the last lookup
+        self._shadow: tuple[int, int] | None = None  # (position, token) that a skipped draft would have begun with
+        self._chooser: LookupChooser | None = None
+
+    def start(self, prompt, *, sampling, rng, stats) -> None:
+        super().start(prompt, sampling=sampling, rng=rng, stats=stats)
+        self._draft = self._shadow = None
+        self._sync(prompt, full=True)
+
+    def _sync(self, seq: list[int], full: bool = False) -> None:
+        """Make the index hold seq. Within a generation seq only grows, which one token's comparison confirms; a
+        new prompt (or any other sequence) keeps the longest common prefix (a later turn of a chat)."""
+        idx, have = self.index, len(self.index)
+        if full or have > len(seq) or (have and idx.seq[-1] != seq[have - 1]):
+            have = 0
+            for a, b in zip(idx.seq, seq):
+                if a != b:
+                    break
+                have += 1
+            idx.truncate(have)
+        idx.extend(seq[have:])
+
+    def available(self, seq: list[int], k: int) -> int:
+        st = self.stats
+        with st.timed("draft"):
+            self._sync(seq)
+            n = len(seq)
+            if self._shadow is not None:
+                pos, tok = self._shadow
+                self._shadow = None
+                if n > pos and self._chooser is not None:
+                    self._chooser.observe(seq[pos] == tok)
+            draft = self.index.lookup(max(k, 1))
+            if k == 0:  # the chooser (or the end of the budget) skips drafting: remember what it would have said
+                self._shadow = (n, draft[0]) if draft else None
+                return 0
+            st.lookups += 1
+            st.lookup_hits += bool(draft)
+            self._draft = (n, draft)
+            return len(draft)
+
+    def propose(self, seq: list[int], k: int, *, checkpoint: bool = False) -> Draft:
+        n = len(seq)
+        if self._draft is None or self._draft[0] != n or len(self._draft[1]) < k:
+            self._sync(seq)
+            self._draft = (n, self.index.lookup(k))
+        tokens = self._draft[1][:k]
+        self._draft = None
+        if len(tokens) < k:
+            raise SnapspecError(f"the n-gram lookup has {len(tokens)} draft tokens, not {k}: ask available() first")
+        q = [] if self.sampling.greedy else [self._one_hot(t) for t in tokens]
+        return Draft(tokens, q)
+
+    def _one_hot(self, token: int) -> np.ndarray:
+        q = np.zeros(self.vocab_size)
+        q[token] = 1.0
+        return q
+
+    def accepted(self, j: int) -> str | None:
+        return None  # nothing consumed: the next lookup sees the accepted sequence
+
+    def chooser(self, k_max: int, costs: Costs | None) -> DraftLengthChooser:
+        self._chooser = LookupChooser(k_max, costs)
+        return self._chooser
+
+    def measure_costs(self, tctx, n_max: int) -> Costs | None:
+        """The target's C(n) and r (no drafter steps), and c = one lookup's time in target steps."""
+        if tctx.n_past + n_max > tctx.max_len:
+            return None
+        costs = measure_costs(tctx, None, n_max, reps=3)
+        times = []
+        for _ in range(21):
+            t = time.perf_counter()
+            self.index.lookup(n_max)
+            times.append(time.perf_counter() - t)
+        costs.c = float(np.median(times)) / costs.step_seconds
+        return costs
+
+
+class LookupChooser(DraftLengthChooser):
+    """Adaptive k for drafts that cost a lookup (see the module docstring). Per draft position i = 1..k_max, decayed
+    counts of rounds that reached i and of rounds rejected at i give the hazard h_i (prior: 0.4, worth 5 rounds);
+    the draft survives to i with S_i = prod(1 - h_l, l <= i); a k-token round emits E(k) = 1 + S_1 + ... + S_k;
+    k = argmax E(k) / (C(k+1) + k*c + r) over 1..k_max, or 0 (a plain step) when no k beats 1.0."""
+
+    def __init__(self, k_max: int, costs: Costs | None = None, prior: tuple[float, float] = (2.0, 5.0),
+                 decay: float = 0.95):
+        super().__init__(k_max, costs, decay=decay)
+        self.prior_rejected, self.prior_reached = prior
+        self.reached = np.zeros(k_max)  # index i-1: decayed rounds whose draft reached position i
+        self.rejected = np.zeros(k_max)  # index i-1: decayed rounds rejected at position i
+
+    def survival(self) -> np.ndarray:
+        hazard = (self.prior_rejected + self.rejected) / (self.prior_reached + self.reached)
+        return np.cumprod(1.0 - hazard)
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance implied by the first position (for reports)."""
+        return float(self.survival()[0])
+
+    def scores(self) -> np.ndarray:
+        """Predicted speedup over plain decoding for k = 0..k_top (k = 0: a plain step)."""
+        c = self.costs
+        top = min(self.k_max, len(c.C) - 1)
+        emitted = 1.0 + np.cumsum(self.survival()[:top])
+        ks = np.arange(1, top + 1)
+        return np.concatenate([[1.0], emitted / (np.asarray(c.C[1:top + 1]) + ks * c.c + c.r)])
+
+    def choose(self) -> int:
+        if self.costs is None:
+            return min(4, self.k_max)
+        return int(np.argmax(self.scores()))  # ties go to the smaller k: a plain step when nothing beats it
+
+    def update(self, k: int, j: int) -> None:
+        self.reached *= self.decay
+        self.rejected *= self.decay
+        self.reached[:min(j + 1, k)] += 1.0
+        if j < k:
+            self.rejected[j] += 1.0
+
+    def observe(self, hit: bool) -> None:
+        """A lookup that was not drafted was checked against the token the plain step produced."""
+        self.update(1, 1 if hit else 0)
