@@ -14,13 +14,14 @@ NgramDrafter puts the index behind the Drafter interface (drafters.py). A lookup
 nothing, and the round is a plain target step. When sampling, each draft token's q is one-hot (the draft is
 deterministic), so the rejection rule stays exact: accept with probability p(d), else draw from p without d.
 
-Adaptive k (LookupChooser): a draft costs a lookup (microseconds), so the cost model is C(k+1) + r per round, not
-C(k+1) + k*c + r with a drafter step c, and a round is worth drafting only if it is predicted to beat a plain step.
-Copied spans make acceptance depend on the position in the draft (once a copy holds, it tends to go on), so instead
-of one per-token acceptance the chooser estimates, per draft position i, the chance that the draft survives to i.
-Each round picks the k in 0..W with the best predicted speedup, where 0 (a plain step) scores 1.0. While it drafts
-nothing, it still looks up and checks the lookup's first token against the token the plain step produced (free),
-so it notices when lookups start to match again.
+Adaptive k (LookupChooser): a draft costs a lookup (microseconds, measured: c is about 1e-4 target steps on pair-a),
+so a round costs C(k+1) + r instead of C(k+1) + k*c + r, and longer drafts pay sooner than with a drafter model.
+The acceptance estimate and the predicted speedup E(k) / (C(k+1) + k*c + r) are the model drafter's
+(adaptive.py), counted over rounds that had a draft: a lookup that misses is a plain step, costs nothing and says
+nothing about acceptance. What differs is that k = 0 is a choice: when no k is predicted to beat a plain step
+(speedup 1.0), the round is a plain step even though the lookup found a draft. While it drafts nothing, the chooser
+still looks up and checks the lookup's first token against the token the plain step produced (free), so it notices
+when lookups start to match again.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
-from .adaptive import Costs, DraftLengthChooser, measure_costs
+from .adaptive import Costs, DraftLengthChooser, expected_emitted, measure_costs
 from .drafters import Draft, Drafter
 
 DEFAULT_MIN, DEFAULT_MAX = 2, 4
@@ -192,34 +193,15 @@ class NgramDrafter(Drafter):
 
 
 class LookupChooser(DraftLengthChooser):
-    """Adaptive k for drafts that cost a lookup (see the module docstring). Per draft position i = 1..k_max, decayed
-    counts of rounds that reached i and of rounds rejected at i give the hazard h_i (prior: 0.4, worth 5 rounds);
-    the draft survives to i with S_i = prod(1 - h_l, l <= i); a k-token round emits E(k) = 1 + S_1 + ... + S_k;
-    k = argmax E(k) / (C(k+1) + k*c + r) over 1..k_max, or 0 (a plain step) when no k beats 1.0."""
+    """Adaptive k for drafts that cost a lookup (see the module docstring): DraftLengthChooser's acceptance estimate
+    (aged by tokens) and cost model, with a plain step (k = 0, speedup 1.0 by definition) among the choices, and
+    `observe` for lookups that were checked without being drafted."""
 
-    def __init__(self, k_max: int, costs: Costs | None = None, prior: tuple[float, float] = (2.0, 5.0),
-                 decay: float = 0.95):
-        super().__init__(k_max, costs, decay=decay)
-        self.prior_rejected, self.prior_reached = prior
-        self.reached = np.zeros(k_max)  # index i-1: decayed rounds whose draft reached position i
-        self.rejected = np.zeros(k_max)  # index i-1: decayed rounds rejected at position i
-
-    def survival(self) -> np.ndarray:
-        hazard = (self.prior_rejected + self.rejected) / (self.prior_reached + self.reached)
-        return np.cumprod(1.0 - hazard)
-
-    @property
-    def acceptance(self) -> float:
-        """Per-token acceptance implied by the first position (for reports)."""
-        return float(self.survival()[0])
-
-    def scores(self) -> np.ndarray:
+    def scores(self) -> list[float]:
         """Predicted speedup over plain decoding for k = 0..k_top (k = 0: a plain step)."""
-        c = self.costs
+        c, a = self.costs, self.acceptance
         top = min(self.k_max, len(c.C) - 1)
-        emitted = 1.0 + np.cumsum(self.survival()[:top])
-        ks = np.arange(1, top + 1)
-        return np.concatenate([[1.0], emitted / (np.asarray(c.C[1:top + 1]) + ks * c.c + c.r)])
+        return [1.0] + [c.predicted_speedup(k, expected_emitted(a, k)) for k in range(1, top + 1)]
 
     def choose(self) -> int:
         if self.costs is None:
@@ -227,12 +209,13 @@ class LookupChooser(DraftLengthChooser):
         return int(np.argmax(self.scores()))  # ties go to the smaller k: a plain step when nothing beats it
 
     def update(self, k: int, j: int) -> None:
-        self.reached *= self.decay
-        self.rejected *= self.decay
-        self.reached[:min(j + 1, k)] += 1.0
-        if j < k:
-            self.rejected[j] += 1.0
+        """The estimate's memory ages by checked draft tokens, not by rounds: rounds that copy 8 tokens would
+        otherwise pile up hundreds of accepted tokens, and the end of a copy would take dozens of wasted rounds to
+        show (a replay of pair-a's outputs through this rule and the per-round one: equal or better on every set)."""
+        age = self.decay ** (j + (1 if j < k else 0))
+        self.accepted = self.accepted * age + j
+        self.rejected = self.rejected * age + (1 if j < k else 0)
 
     def observe(self, hit: bool) -> None:
-        """A lookup that was not drafted was checked against the token the plain step produced."""
+        """A lookup that was not drafted, checked against the token the plain step produced."""
         self.update(1, 1 if hit else 0)
