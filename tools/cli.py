@@ -12,7 +12,7 @@ from pathlib import Path
 
 from snapspec import SnapspecError, __version__
 
-from .options import add_runtime_flags, load_models, positive_int
+from .options import add_drafter_flags, add_runtime_flags, drafter_label, load_models, positive_int
 
 
 def _draft_max(value: str):
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text, with or without a drafter")
     p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path)
+    add_drafter_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file", type=Path)
@@ -145,10 +145,13 @@ def cmd_generate(args) -> int:
 
 
 def _result(gen, target, drafter, text: str) -> dict:
+    from snapspec.runtime import Model
+    model = drafter if isinstance(drafter, Model) else None  # None: no drafter, or n-gram lookup
     return {"text": text, "token_ids": gen.tokens, "stop_reason": gen.stop_reason, "stats": gen.stats.as_dict(),
-            "providers": {"target": target.providers_used(), **({"drafter": drafter.providers_used()}
-                                                                  if drafter else {})},
-            "rollback_modes": sorted(gen.modes_used), "notes": target.notes + (drafter.notes if drafter else [])}
+            "drafter": drafter_label(drafter) if drafter is not None else None,
+            "providers": {"target": target.providers_used(), **({"drafter": model.providers_used()}
+                                                                  if model else {})},
+            "rollback_modes": sorted(gen.modes_used), "notes": target.notes + (model.notes if model else [])}
 
 
 def _summary(gen, target, drafter) -> str:
@@ -158,6 +161,8 @@ def _summary(gen, target, drafter) -> str:
         parts.append(f"{s.decode_tokens_per_s:.1f} tok/s decode")
     if drafter is not None and s.drafted:
         parts.append(f"acceptance {s.acceptance:.2f} over {s.rounds} rounds, {s.mean_emitted:.2f} tokens/round")
+        if s.lookups:
+            parts.append(f"lookups found a draft {s.lookup_hits}/{s.lookups}")
         parts.append("rollback " + (", ".join(f"{k} x{v}" for k, v in sorted(s.rollbacks.items())) or "none"))
     parts.append("providers " + ",".join(target.providers_used()))
     return "[" + "; ".join(parts) + "]"

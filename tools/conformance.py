@@ -10,11 +10,13 @@ from pathlib import Path
 from snapspec import SnapspecError, manifest
 from snapspec.runtime.contract import Check, run_checks
 
+from .options import NGRAM, add_drafter_flags
+
 
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("conformance", help="check an exported pair against snapspec's contract on a provider")
     p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path)
+    add_drafter_flags(p)
     p.add_argument("--window", type=int, default=None, help="rollback window to check (default: the export's)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--json", type=Path, dest="json_out", help="write the report here")
@@ -30,7 +32,7 @@ def run(args) -> int:
     checks: list[Check] = []
     try:
         manifest.load(args.target)
-        if args.drafter:
+        if args.drafter not in (None, NGRAM):
             manifest.load(args.drafter)
         checks.append(Check("manifest and checksums valid", True, "all files match their sha256", where="files"))
     except SnapspecError as exc:
@@ -42,7 +44,7 @@ def run(args) -> int:
     graph = "forward_window" if target.state_window else "forward"
     placement = {"target": {"session": target.providers_used(), "graph": graph,
                             **node_placement(args.target, target.ep, graph)}}
-    if drafter:
+    if args.drafter not in (None, NGRAM):
         placement["drafter"] = {"session": drafter.providers_used(), **node_placement(args.drafter, drafter.ep)}
     return _report(con, Table, checks, placement, args)
 
