@@ -61,7 +61,7 @@ class Drafter(ABC):
         """The adaptive draft-length chooser for draft_max="auto"."""
         return DraftLengthChooser(k_max, costs)
 
-    def measure_costs(self, tctx: Context, n_max: int) -> Costs | None:
+    def measure_costs(self, tctx: Context, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
         """The cost model's terms on the live contexts (None when there is no room to time them)."""
         return None
 
@@ -105,10 +105,10 @@ class ModelDrafter(Drafter):
                               "checkpoint path (re-export with a larger --rollback-window)")
         return None
 
-    def measure_costs(self, tctx: Context, n_max: int) -> Costs | None:
+    def measure_costs(self, tctx: Context, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
         if tctx.n_past + n_max > tctx.max_len or self.ctx.n_past + 2 > self.ctx.max_len:
             return None
-        return measure_costs(tctx, self.ctx, n_max, reps=3)
+        return measure_costs(tctx, self.ctx, n_max, reps=reps, tokens=tokens)
 
     def propose(self, seq: list[int], k: int, *, checkpoint: bool = False) -> Draft:
         ctx, st, n = self.ctx, self.stats, len(seq)

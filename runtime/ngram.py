@@ -178,11 +178,11 @@ class NgramDrafter(Drafter):
         self._chooser = LookupChooser(k_max, costs)
         return self._chooser
 
-    def measure_costs(self, tctx, n_max: int) -> Costs | None:
+    def measure_costs(self, tctx, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
         """The target's C(n) and r (no drafter steps), and c = one lookup's time in target steps."""
         if tctx.n_past + n_max > tctx.max_len:
             return None
-        costs = measure_costs(tctx, None, n_max, reps=3)
+        costs = measure_costs(tctx, None, n_max, reps=reps, tokens=tokens)
         times = []
         for _ in range(21):
             t = time.perf_counter()
