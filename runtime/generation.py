@@ -81,11 +81,12 @@ class Generator:
         self._warned: set[str] = set()
         self._started = False
         self._text = _TextStream(target.tokenizer)
-        limit = target.manifest.max_context
+        # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
+        # calibration times forwards of up to W + 1 tokens after the prompt).
+        ctx_len = context or min(target.manifest.max_context, len(self.prompt) + max_new_tokens + self.window)
         if isinstance(drafter, Model):
             check_pair(target, drafter)
-            limit = min(limit, drafter.manifest.max_context)
-        ctx_len = context or min(limit, len(self.prompt) + max_new_tokens + self.window)
+            ctx_len = min(ctx_len, drafter.manifest.max_context)
         self.tctx = target_ctx or Context(target, ctx_len, mode=default_mode(target), window=self.window,
                                           poison=poison)
         self.dctx: Context | None = None
@@ -95,6 +96,8 @@ class Generator:
                                                window=self.window, poison=poison)
             self.drafter = ModelDrafter(self.dctx, self.prefill_chunk)
         elif drafter is not None:
+            if drafter_ctx is not None:
+                raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
             self.drafter = drafter
             self.dctx = drafter.ctx
         if self.drafter is not None and self.tctx.recurrent:
@@ -165,7 +168,8 @@ class Generator:
             st.prompt_reused, st.prompt_prefilled = reused, len(self.prompt) - reused
             if self.drafter is not None:
                 self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st)
-        out = self._emit([self._pick(rows, "the target's prefill")])
+            first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
+        out = self._emit([first])
         self._calibrate()
         if out:
             yield out
