@@ -325,3 +325,51 @@ def test_misses_are_plain_steps_and_auto_equals_plain(model):
     assert auto.run() == Generator(t, t.encode(COPY), max_new_tokens=30, stop_at_eos=False).run()
     assert auto.costs is not None and auto.costs.c < 0.05 and len(auto.costs.C) == 9
     assert not _lookup_counters(auto)
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+
+def test_cli_generate_bench_conformance(tiny_export, tmp_path, monkeypatch, capsys):
+    from snapspec.tools.cli import main
+    target, folder = str(tiny_export("qwen3_5_text")), tiny_export("lfm2")
+    plain = ["generate", "--target", target, "--prompt", COPY, "--max-new-tokens", "24", "--json", "--threads", "1"]
+    assert main(plain) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(plain + ["--drafter", "ngram", "--ngram-min", "1", "--ngram-max", "3", "--draft-max", "auto"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["drafter"] == "ngram 1-3" and "drafter" not in got["providers"]
+    assert got["stats"]["lookups"] > 0
+
+    # A folder named ngram is a drafter model when written as a path.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ngram").symlink_to(folder, target_is_directory=True)
+    assert main(plain + ["--drafter", "./ngram"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["drafter"] == "ngram" and "drafter" in got["providers"]
+
+    for bad, message in ((["--ngram-min", "2"], "apply to --drafter ngram only"),
+                         (["--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "ngram-min <= ngram-max"),
+                         (["--drafter", "ngram", "--ngram-max", "0"], "1 <= ngram-min")):
+        assert main(plain + bad) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": COPY}) + "\n")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--target", target, "--drafter", str(folder), "--drafter", "ngram", "--ngram-min", "1",
+                 "--prompts", str(prompts), "--k", "2", "--reps", "1", "--max-new-tokens", "12", "--threads", "1",
+                 "--rollback", "auto", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["drafters"] == ["out", "ngram 1-4"] and set(r["cost_models"]) == set(r["drafters"])
+    assert [c["label"] for c in r["configs"]] == ["out k=2", "out k=auto", "ngram 1-4 k=2", "ngram 1-4 k=auto"]
+    lookup = [c for c in r["configs"] if c["drafter"] == "ngram 1-4"]
+    assert all(0 <= c["lookup_hit_rate"] <= 1 for c in lookup) and r["cost_models"]["ngram 1-4"]["c"] < 0.05
+    assert "drafter" in r["provenance"]["manifests"]
+    capsys.readouterr()
+
+    assert main(["conformance", "--target", target, "--drafter", "ngram", "--threads", "1", "--new-tokens", "16",
+                 "--json", str(tmp_path / "c.json")]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["passed"] and any(c["where"] == "pair" for c in report["checks"])
+    assert "drafter" not in report["providers"]
