@@ -68,6 +68,7 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
     caches and thread pools as a round leaves them (timed apart, in warm loops, the drafter looked 25% cheaper
     than it is inside rounds). Sizes are interleaved within each repetition, so a slow spell of a shared machine
     spreads over all of them. Every measurement rolls back: the contexts end where they started.
+    With dctx None (a drafter without a model: n-gram lookup) only the target is timed and c = 0.
     """
     tokens = list(tokens or [1] * n_max)
     target_times = [[] for _ in range(n_max)]
@@ -77,15 +78,18 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
             t0 = time.perf_counter()
             tctx.forward(tokens[:n], keep=n, logits=False)  # a greedy verify: n rows of ids
             t1 = time.perf_counter()
-            dctx.forward(tokens[:1], keep=1, logits=False)
-            dctx.forward(tokens[:1], keep=1, logits=False)
+            if dctx is not None:
+                dctx.forward(tokens[:1], keep=1, logits=False)
+                dctx.forward(tokens[:1], keep=1, logits=False)
             t3 = time.perf_counter()
             keep = 1 if n > 1 else 0  # a partial acceptance: both contexts roll back
             tctx.rollback(tctx.n_past - (n - keep))
-            dctx.rollback(dctx.n_past - (2 - keep))
+            if dctx is not None:
+                dctx.rollback(dctx.n_past - (2 - keep))
             t4 = time.perf_counter()
             tctx.rollback(tctx.n_past - keep)
-            dctx.rollback(dctx.n_past - keep)
+            if dctx is not None:
+                dctx.rollback(dctx.n_past - keep)
             if rep:
                 target_times[n - 1].append(t1 - t0)
                 drafter_times.append((t3 - t1) / 2)  # the first step after the target also pays the switch
@@ -93,6 +97,6 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
                     rollback_times.append(t4 - t3)
     raw = [float(np.median(ts)) for ts in target_times]
     unit = raw[0]
-    c = float(np.median(drafter_times))
+    c = float(np.median(drafter_times)) if dctx is not None else 0.0
     r = float(np.median(rollback_times)) if rollback_times else 0.0
     return Costs([x / unit for x in raw], c / unit, r / unit, unit)

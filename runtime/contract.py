@@ -12,6 +12,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from .context import Context, default_mode
+from .drafters import Drafter
 from .generation import Generator
 from .model import Model
 
@@ -118,7 +119,7 @@ def check_chunked_prefill(model: Model, n_prompt: int = 23, chunk: int = 5) -> C
                  f"worst {worst}: rel err {errs[worst]:.2e} (tol {tol:.0e}), {chunked.forwards} forwards", data=errs)
 
 
-def check_spec_equals_plain(target: Model, drafter: Model, ks, new_tokens: int = 32, prompts=PROMPTS) -> Check:
+def check_spec_equals_plain(target: Model, drafter: Model | Drafter, ks, new_tokens: int = 32, prompts=PROMPTS) -> Check:
     bad, rounds, counters = [], 0, []
     for p in prompts:
         ids = target.encode(p)
@@ -150,6 +151,8 @@ def counters_add_up(g: Generator) -> str:
         problems.append("more tokens than emitted")
     if s.rounds and sum(v for k, v in s.rollbacks.items() if k.startswith(("target", "checkpoint"))) > s.rounds:
         problems.append("more target rollbacks than rounds")
+    if s.lookups and s.lookup_hits != s.rounds:  # a drafter that may have no draft: each hit is one round
+        problems.append("lookup hits != rounds")
     return ", ".join(problems)
 
 
@@ -162,16 +165,17 @@ def check_self_acceptance(model: Model, k: int = 4, new_tokens: int = 32) -> Che
                  f"acceptance {a} over {g.stats.rounds} rounds ({g.stats.drafted} drafted)")
 
 
-def run_checks(target: Model, drafter: Model | None, window: int | None = None, new_tokens: int = 32) -> list[Check]:
+def run_checks(target: Model, drafter: Model | Drafter | None, window: int | None = None, new_tokens: int = 32) -> list[Check]:
     w = window or target.manifest.rollback["window"]
     plan = [("target", lambda: check_multi_vs_single(target)),
             ("target", lambda: check_chunked_prefill(target)),
             ("target", lambda: check_rollback(target, default_mode(target), w))]
-    if drafter is not None:
+    if isinstance(drafter, Model):
         plan += [("drafter", lambda: check_multi_vs_single(drafter)),
                  ("drafter", lambda: check_chunked_prefill(drafter)),
-                 ("drafter", lambda: check_rollback(drafter, default_mode(drafter, "drafter"), w)),
-                 ("pair", lambda: check_spec_equals_plain(target, drafter, range(1, w + 1), new_tokens))]
+                 ("drafter", lambda: check_rollback(drafter, default_mode(drafter, "drafter"), w))]
+    if drafter is not None:  # a Model, or a Drafter without a model (n-gram lookup: only the pair check applies)
+        plan.append(("pair", lambda: check_spec_equals_plain(target, drafter, range(1, w + 1), new_tokens)))
     plan.append(("target", lambda: check_self_acceptance(target)))
     out = []
     for where, fn in plan:

@@ -7,6 +7,11 @@ rejection rule needs q). After the target's verify, `accepted(j)` says that the 
 drafter with state can roll back what it consumed beyond them. A deterministic draft source (n-gram lookup, say)
 returns one-hot q rows when sampling: the rejection rule then stays exact.
 
+A drafter may have fewer than k tokens to offer (an n-gram lookup that finds nothing): the Generator asks
+`available(seq, k)` first, and a round with none is a plain step. Adaptive k asks the drafter for its cost model and
+its chooser (`measure_costs`, `chooser`): a drafter model's steps cost a fraction of a target step, a lookup nearly
+nothing.
+
 The round decides, with the target, whether a round rolls back boundedly or through checkpoints (`limit` says when
 this drafter cannot undo a k-token draft by itself); with `checkpoint=True` the drafter copies its state before
 drafting and `accepted` restores it. A drafter without state ignores both.
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adaptive import Costs, DraftLengthChooser, measure_costs
 from .context import Context
 from .sampling import SamplingParams, check_finite, pick
 from .stats import Stats
@@ -45,6 +51,18 @@ class Drafter(ABC):
 
     def limit(self, k: int) -> tuple[str, str] | None:
         """None when a k-token draft can be undone without a checkpoint; else (a key, a warning naming the cause)."""
+        return None
+
+    def available(self, seq: list[int], k: int) -> int:
+        """How many draft tokens (at most k) propose(seq, k) will give; 0 makes the round a plain step."""
+        return k
+
+    def chooser(self, k_max: int, costs: Costs | None) -> DraftLengthChooser:
+        """The adaptive draft-length chooser for draft_max="auto"."""
+        return DraftLengthChooser(k_max, costs)
+
+    def measure_costs(self, tctx: Context, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
+        """The cost model's terms on the live contexts (None when there is no room to time them)."""
         return None
 
     @abstractmethod
@@ -86,6 +104,11 @@ class ModelDrafter(Drafter):
             return ("window", f"draft length {k} exceeds the rollback window {ctx.depth}: such rounds take the "
                               "checkpoint path (re-export with a larger --rollback-window)")
         return None
+
+    def measure_costs(self, tctx: Context, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
+        if tctx.n_past + n_max > tctx.max_len or self.ctx.n_past + 2 > self.ctx.max_len:
+            return None
+        return measure_costs(tctx, self.ctx, n_max, reps=reps, tokens=tokens)
 
     def propose(self, seq: list[int], k: int, *, checkpoint: bool = False) -> Draft:
         ctx, st, n = self.ctx, self.stats, len(seq)

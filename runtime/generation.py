@@ -18,10 +18,11 @@ from tokenizers.decoders import DecodeStream
 from snapspec import SnapspecError
 
 from . import genai_folder
-from .adaptive import Costs, DraftLengthChooser, measure_costs
+from .adaptive import Costs, DraftLengthChooser
 from .context import PREFILL_CHUNK, Context, Rows, default_mode
 from .drafters import Drafter, ModelDrafter
 from .model import Model
+from .ngram import NgramDrafter
 from .sampling import SamplingParams, check_finite, pick
 from .speculative import speculative_round
 from .stats import Stats
@@ -38,13 +39,14 @@ def check_pair(target: Model, drafter: Model) -> None:
 class Generator:
     """Iterate (once) to get the new token ids of each step or round; read tokens, text, stats, stop_reason after.
 
-    drafter: a Model (drafted by a ModelDrafter over its own context) or any Drafter. context: the context length to
+    drafter: a Model (drafted by a ModelDrafter over its own context), "ngram" (prompt lookup: an NgramDrafter) or
+    any Drafter. context: the context length to
     allocate (default: prompt + max_new_tokens + window, within the exports' max_context). target_ctx / drafter_ctx:
     contexts to reuse; what they already hold is resumed. costs: the cost model for draft_max="auto" (default:
     measured on the live contexts at the start; read it back from `costs` to reuse it in the next Generator).
     """
 
-    def __init__(self, target: Model, prompt_ids, *, drafter: Model | Drafter | None = None,
+    def __init__(self, target: Model, prompt_ids, *, drafter: Model | Drafter | str | None = None,
                  max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), draft_max: int | str = 4,
                  rollback: str = "auto", stop_strings=(), stop_at_eos: bool = True, context: int | None = None,
                  window: int | None = None, target_ctx: Context | None = None, drafter_ctx: Context | None = None,
@@ -61,6 +63,10 @@ class Generator:
             raise SnapspecError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
         if drafter is not None and draft_max != "auto" and int(draft_max) < 1:
             raise SnapspecError(f"draft length must be >= 1 (got {draft_max}); omit --drafter for plain decoding")
+        if isinstance(drafter, str):
+            if drafter != "ngram":
+                raise SnapspecError(f"drafter must be a loaded Model, a Drafter or \"ngram\", got {drafter!r}")
+            drafter = NgramDrafter(target.vocab_size)  # prompt lookup, no drafter model (ngram.py)
         self.max_new = max_new_tokens
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
@@ -103,7 +109,10 @@ class Generator:
         self.draft_max = draft_max
         self.rollback = rollback
         self.costs = costs
-        self.chooser = DraftLengthChooser(self.window, costs) if draft_max == "auto" else None
+        self.chooser = None
+        if draft_max == "auto":
+            self.chooser = (self.drafter.chooser(self.window, costs) if self.drafter is not None
+                            else DraftLengthChooser(self.window, costs))
 
     @property
     def modes_used(self) -> set[str]:
@@ -188,13 +197,10 @@ class Generator:
         the largest forward it times (near the end of the context the chooser keeps its default instead)."""
         if self.chooser is None or self.chooser.costs is not None or self.stop_reason is not None:
             return
-        if self.dctx is None:
-            return
-        n_max = self.window + 1
-        if self.tctx.n_past + n_max > self.tctx.max_len or self.dctx.n_past + 2 > self.dctx.max_len:
+        if self.drafter is None:
             return
         with self.stats.timed("calibration"):
-            self.costs = self.chooser.costs = measure_costs(self.tctx, self.dctx, n_max, reps=3)
+            self.costs = self.chooser.costs = self.drafter.measure_costs(self.tctx, self.window + 1)
 
     def _plain_step(self) -> list[int]:
         rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=not self.sampling.greedy)
@@ -207,7 +213,7 @@ class Generator:
         return max(0, min(k, room))
 
     def _round(self) -> list[int]:
-        k = self._draft_length()
+        k = self.drafter.available(self.seq, self._draft_length())
         if k == 0:
             return self._plain_step()
         new, j = speculative_round(self.tctx, self.drafter, self.seq, k, self.sampling, self.rng, self.stats,

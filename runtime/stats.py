@@ -23,6 +23,8 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    lookups: int = 0  # drafts asked of a drafter that may have none (n-gram lookup); a miss is a plain step
+    lookup_hits: int = 0
     target_forwards: int = 0
     drafter_forwards: int = 0
     rollbacks: Counter = field(default_factory=Counter)  # "target:replay", "drafter:ring", "checkpoint", ...

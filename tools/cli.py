@@ -11,8 +11,8 @@ from pathlib import Path
 
 from snapspec import SnapspecError, __version__
 
-from .options import (add_generation_flags, add_json_flag, add_runtime_flags, generation_kwargs, interruptible,
-                      json_to_stdout, load_models, positive_int, write_json)
+from .options import (add_drafter_flags, add_generation_flags, add_json_flag, add_runtime_flags, drafter_label,
+                      generation_kwargs, interruptible, json_to_stdout, load_models, positive_int, write_json)
 
 
 class _UsageError(Exception):
@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text, with or without a drafter")
     p.add_argument("--target", type=Path, required=True, help="exported folder of the model that decides the text")
-    p.add_argument("--drafter", type=Path, help="exported folder of a small model with the same vocabulary")
+    add_drafter_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text (with --chat: the user message)")
     src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file; - reads standard input")
@@ -154,10 +154,13 @@ def cmd_generate(args) -> int:
 
 
 def _result(gen, target, drafter, text: str) -> dict:
+    from snapspec.runtime import Model
+    model = drafter if isinstance(drafter, Model) else None  # None: no drafter, or n-gram lookup
     return {"text": text, "token_ids": gen.tokens, "stop_reason": gen.stop_reason, "stats": gen.stats.as_dict(),
-            "providers": {"target": target.providers_used(), **({"drafter": drafter.providers_used()}
-                                                                  if drafter else {})},
-            "rollback_modes": sorted(gen.modes_used), "notes": target.notes + (drafter.notes if drafter else [])}
+            "drafter": drafter_label(drafter) if drafter is not None else None,
+            "providers": {"target": target.providers_used(), **({"drafter": model.providers_used()}
+                                                                  if model else {})},
+            "rollback_modes": sorted(gen.modes_used), "notes": target.notes + (model.notes if model else [])}
 
 
 def _summary(gen, target, drafter) -> str:
@@ -167,6 +170,8 @@ def _summary(gen, target, drafter) -> str:
         parts.append(f"{s.decode_tokens_per_s:.1f} tok/s decode")
     if drafter is not None and s.drafted:
         parts.append(f"acceptance {s.acceptance:.2f} over {s.rounds} rounds, {s.mean_emitted:.2f} tokens/round")
+        if s.lookups:
+            parts.append(f"lookups found a draft {s.lookup_hits}/{s.lookups}")
         parts.append("rollback " + (", ".join(f"{k} x{v}" for k, v in sorted(s.rollbacks.items())) or "none"))
     parts.append("providers " + ",".join(target.providers_used()))
     return "[" + "; ".join(parts) + "]"

@@ -133,17 +133,70 @@ def default_threads(folder) -> int | None:
     return 1 if params is not None and params < SMALL_MODEL_PARAMS else None
 
 
-def load_models(args, target_dir, drafter_dir=None):
-    """(target, drafter or None) on the requested provider. A drafter that fails to load is an error. Thread
-    counts not given are chosen per model (default_threads) and recorded in args.threads_used."""
-    from snapspec.runtime import load
+NGRAM = "ngram"
 
+
+def drafter_arg(value: str):
+    """--drafter: an exported folder, or the word `ngram` (prompt lookup, no drafter model). A folder named ngram is
+    still reachable as ./ngram (kept as typed: Path("./ngram") would print as "ngram")."""
+    return NGRAM if value == NGRAM else Path(value)
+
+
+def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, repeat: bool = False) -> None:
+    """--drafter (an exported folder of a small model with the target's vocabulary, or `ngram`; repeatable where
+    several are compared) and the n-gram sizes."""
+    from snapspec.runtime.ngram import DEFAULT_MAX, DEFAULT_MIN
+    p.add_argument("--drafter", type=drafter_arg, required=required, action="append" if repeat else "store",
+                   help="exported folder of a small model with the target's vocabulary, or `ngram`: drafts copied "
+                        "from earlier in the sequence, no drafter model (a folder named ngram: ./ngram)"
+                        + ("; repeat to compare several in one run" if repeat else ""))
+    p.add_argument("--ngram-min", type=positive_int, default=None,
+                   help=f"--drafter ngram: shortest suffix looked up, in tokens (default {DEFAULT_MIN})")
+    p.add_argument("--ngram-max", type=positive_int, default=None,
+                   help=f"--drafter ngram: longest suffix looked up, tried first (default {DEFAULT_MAX})")
+
+
+def drafter_label(drafter) -> str:
+    """A drafter's name in reports: its folder, or ngram with its sizes."""
+    from snapspec.runtime.ngram import NgramDrafter
+    if isinstance(drafter, NgramDrafter):
+        return f"ngram {drafter.index.n_min}-{drafter.index.n_max}"
+    return drafter.folder.name
+
+
+def load_models(args, target_dir, drafter_dir=None):
+    """(target, drafter or None) on the requested provider: the drafter is a Model, or an NgramDrafter for
+    `--drafter ngram`. A drafter that fails to load is an error."""
+    target, drafters = load_drafters(args, target_dir, [] if drafter_dir is None else [drafter_dir])
+    return target, (drafters[0] if drafters else None)
+
+
+def load_drafters(args, target_dir, drafter_dirs):
+    """(target, [drafter, ...]) for subcommands that compare several drafters (bench). Thread counts not given are
+    chosen per model (default_threads) and recorded in args.threads_used."""
+    from snapspec.runtime import load
+    from snapspec.runtime.ngram import DEFAULT_MAX, DEFAULT_MIN, NgramDrafter, check_range
+
+    n_min, n_max = getattr(args, "ngram_min", None), getattr(args, "ngram_max", None)
+    if (n_min is not None or n_max is not None) and NGRAM not in drafter_dirs:
+        raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram only")
+    if NGRAM in drafter_dirs:
+        if n_min is None:  # a default that fits the other size when only one is given
+            n_min = DEFAULT_MIN if n_max is None else min(DEFAULT_MIN, n_max)
+        if n_max is None:
+            n_max = max(DEFAULT_MAX, n_min)
+        check_range(n_min, n_max)  # before loading anything
     t_threads = args.threads if args.threads is not None else default_threads(target_dir)
     target = load(target_dir, args.ep, allow_fallback=args.allow_fallback, threads=t_threads,
                   recurrent=getattr(args, "recurrent_rollback", "auto"))
     args.threads_used = {"target": t_threads or "onnxruntime default"}
-    if drafter_dir is None:
-        return target, None
+    return target, [NgramDrafter(target.vocab_size, n_min, n_max) if d == NGRAM else _load_drafter(args, d)
+                    for d in drafter_dirs]
+
+
+def _load_drafter(args, drafter_dir):
+    from snapspec.runtime import load
+
     d_threads = next((t for t in (args.drafter_threads, args.threads) if t is not None), None)
     d_threads = d_threads if d_threads is not None else default_threads(drafter_dir)
     try:
@@ -152,7 +205,7 @@ def load_models(args, target_dir, drafter_dir=None):
     except SnapspecError as exc:
         raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
     args.threads_used["drafter"] = d_threads or "onnxruntime default"
-    return target, drafter
+    return drafter
 
 
 class Interrupt:
