@@ -1,0 +1,115 @@
+"""Fixed-shape forwards replayed as CUDA graphs (onnxruntime's `enable_cuda_graph` CUDA provider option).
+
+A session created with the option captures a run the first time it sees a `gpu_graph_id` (after one ordinary run
+that lets its allocator grow) and from then on replays the recorded kernels for that id, with no per-node host work:
+a 0.8B drafter step is ~500 kernel launches, which the host cannot issue as fast as the GPU runs them. Replay reads
+and writes the device addresses recorded at capture, so everything a captured step touches has a fixed address:
+
+  token ids, positions, attention mask  one packed int64 device buffer per token count T, [ids(T) | pos(T) | mask],
+            rewritten in place before each step (one host->device copy). The mask spans the whole context, ones up
+            to the step's last position and zeros after: GroupQueryAttention takes the lengths from it on the device
+            (seqlens_k), and its total_sequence_length, a shape, stays the context size, so every step of one T has
+            one shape.
+  outputs   (logits, next-token ids, rollback data) device buffers of each graph, read back after the replay.
+  state     bound by the caller at the slots (or state-window offsets) of the graph's key: a ring of W+1 slots has
+            W+1 (in, out) pairs, replay two, a state window two arenas x W input offsets. One graph per key: no
+            copy in or out of the state, ever.
+
+Runs that are not captured (prefill, verify sizes beyond the limit) pass `gpu_graph_id` -1 through `SKIP`. Graph
+ids are unique per session (the session keeps each graph for its life), so contexts never share a graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from snapspec import SnapspecError
+
+GRAPH_ID = "gpu_graph_id"
+
+
+def run_options(graph_id: int) -> ort.RunOptions:
+    ro = ort.RunOptions()
+    ro.add_run_config_entry(GRAPH_ID, str(graph_id))
+    return ro
+
+
+SKIP = run_options(-1)  # an ordinary run of a session that captures graphs
+
+
+@dataclass
+class _Graph:
+    binding: ort.IOBinding
+    order: list[str]  # output names in get_outputs() order
+    outputs: dict[str, ort.OrtValue]  # the graph's own output buffers (not the state's)
+    options: ort.RunOptions
+    runs: int = 0
+
+
+class GraphSession:
+    """Graph ids of one session; shared by every context on it (ids are never reused)."""
+
+    def __init__(self, session: ort.InferenceSession):
+        self.session = session
+        self._ids = itertools.count(1)
+        self.captured = 0
+
+    def new_id(self) -> int:
+        self.captured += 1
+        return next(self._ids)
+
+
+class CapturedSteps:
+    """The captured forwards of one context: `run(key, tokens, start)` for keys the context names."""
+
+    def __init__(self, graphs: GraphSession, device: str, max_len: int, max_graphs: int, position_rows: int = 1):
+        if position_rows != 1:
+            raise SnapspecError("CUDA graphs need a graph with one row of position_ids (a snapspec export)")
+        self.graphs, self.device, self.max_len, self.max_graphs = graphs, device, max_len, max_graphs
+        self._inputs: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # T -> (host mirror, device buffer)
+        self._graphs: dict[tuple, _Graph] = {}
+
+    def can_run(self, key) -> bool:
+        return key in self._graphs or len(self._graphs) < self.max_graphs
+
+    def run(self, key, t: int, tokens: np.ndarray, start: int, bind_state, outputs: dict) -> dict:
+        """One forward of t tokens from position `start`. key identifies the state binding (with t); bind_state(b)
+        binds the state inputs/outputs and returns their output names in binding order; outputs: {name: (shape,
+        numpy dtype)} for every other graph output. Returns {name: device OrtValue} of those outputs."""
+        host, buf = self._packed(t)
+        host[:t] = tokens
+        host[t:2 * t] = np.arange(start, start + t)
+        mask = host[2 * t:]
+        mask[:start + t] = 1
+        mask[start + t:] = 0
+        buf.update_inplace(host)
+        g = self._graphs.get((t, key))
+        if g is None:
+            g = self._graphs[(t, key)] = self._make(t, buf, bind_state, outputs)
+        self.graphs.session.run_with_iobinding(g.binding, g.options)
+        g.runs += 1
+        return g.outputs
+
+    def _packed(self, t: int):
+        if t not in self._inputs:
+            host = np.zeros(2 * t + self.max_len, dtype=np.int64)
+            self._inputs[t] = host, ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
+        return self._inputs[t]
+
+    def _make(self, t: int, buf: ort.OrtValue, bind_state, outputs: dict) -> _Graph:
+        b = self.graphs.session.io_binding()
+        ptr = buf.data_ptr()
+        b.bind_input("input_ids", self.device, 0, np.int64, [1, t], ptr)
+        b.bind_input("position_ids", self.device, 0, np.int64, [1, t], ptr + 8 * t)
+        b.bind_input("attention_mask", self.device, 0, np.int64, [1, self.max_len], ptr + 16 * t)
+        order = list(bind_state(b))
+        values = {}
+        for name, (shape, dtype) in outputs.items():
+            values[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), self.device, 0)
+            b.bind_ortvalue_output(name, values[name])
+            order.append(name)
+        return _Graph(b, order, values, run_options(self.graphs.new_id()))
