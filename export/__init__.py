@@ -182,14 +182,16 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
     eos = gen.get("eos_token_id", cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id")))
     eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
     recurrent = any(s.role in ("conv", "recurrent") for s in dec.state)
+    # logits_to_keep: the forward takes `logits_to_keep` (default 0: every row) and also returns `next_tokens`.
     graphs = {"forward": {"file": "model.onnx", "inputs": [i.name for i in dec.fwd.inputs],
-                          "outputs": [o.name for o in dec.fwd.outputs]}}
+                          "outputs": [o.name for o in dec.fwd.outputs], "logits_to_keep": True}}
     if has_replay:
         graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
                             "outputs": [o.name for o in dec.replay.outputs]}
     if state_window:
         graphs["forward_window"] = {"file": window.FILE, "inputs": graphs["forward"]["inputs"],
-                                    "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"]}
+                                    "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],
+                                    "logits_to_keep": True}
     return {
         "model": {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures", []),
                   "layers": spec.layers, "layer_kinds": spec.layer_kinds, "hidden_size": spec.hidden,

@@ -7,6 +7,11 @@ runtime's allocator, the tests and `snapspec info` all read that table and nothi
     conv        [batch, kernel - 1, channels]            the last kernel-1 conv inputs, sequence-major
     recurrent   [batch, heads, key_dim, value_dim]       gated delta rule matrix state, float32
 
+The head runs on the last `logits_to_keep` positions only (an int64 scalar input whose default, 0, keeps every
+position, as in transformers): the final norm and the output projection of a 4,096-token prefill then cost one row,
+and `next_tokens` (the ArgMax of each kept row, first maximum on ties) lets greedy decoding fetch token ids instead
+of vocabulary rows.
+
 Recurrent blocks also emit rollback data: the per-token inputs of their state transition (conv inputs, decay,
 beta), which the replay graph built beside the forward graph uses to advance a saved state over an accepted prefix.
 """
@@ -70,6 +75,9 @@ class Decoder:
             self.seqlens_k = g.op("Cast", [lens], "seqlens_k", to=I32)
             width = g.op("Gather", [g.op("Shape", [self.attention_mask], "Shape"), g.ints("axis1", 1)], "Gather")
             self.total_len = g.op("Cast", [width], "total_sequence_length", to=I32)
+        # 0 keeps every row: Slice from -0 = 0. An initializer of the same name makes it optional for callers
+        # that do not know it (onnxruntime-genai, older runtimes).
+        self.logits_to_keep = g.input_with_default("logits_to_keep", np.array(0, dtype=np.int64))
 
     @property
     def dtype_name(self) -> str:
@@ -345,13 +353,27 @@ class Decoder:
                 return g.op("Cast", [rows], "Cast", to=g.onnx_dtype) if g.onnx_dtype != TensorProto.FLOAT16 else rows
             return g.op("Gather", [g.const("weight", table), self.input_ids], "Gather")
 
-    def logits(self, h: str, lm_head: np.ndarray) -> str:
+    def final_norm(self, y: str, h: str, gamma: np.ndarray, eps: float) -> str:
+        """rms_norm(y + h) over the last `logits_to_keep` positions: nothing after it needs the other rows."""
+        g = self.fwd
+        with g.scope("model/norm"):
+            start = g.op("Neg", [g.op("Reshape", [self.logits_to_keep, g.ints("keep_shape", [1])], "keep_1d")],
+                         "keep_start")
+            end, axis = g.ints("keep_end", [np.iinfo(np.int64).max]), g.ints("keep_axis", [1])
+            y, h = (g.op("Slice", [t, start, end, axis], f"keep_{n}") for t, n in ((y, "mixer"), (h, "residual")))
+            x, _ = g.skip_rms_norm(y, h, gamma, eps, "norm")
+        return x
+
+    def logits(self, x: str, lm_head: np.ndarray) -> str:
+        """`logits` [batch, kept, vocab] float32 and `next_tokens` [batch, kept] int64, their argmax."""
         g = self.fwd
         with g.scope("lm_head"):
-            y = g.linear(h, lm_head, "proj")
+            y = g.linear(x, lm_head, "proj")
             if g.onnx_dtype != F32:
                 y = g.op("Cast", [y], "Cast", to=F32)
-        return g.output(y, "logits", F32, ["batch", "sequence", lm_head.shape[0]])
+            best = g.op("ArgMax", [y], "ArgMax", axis=-1, keepdims=0, select_last_index=0)
+        g.output(best, "next_tokens", I64, ["batch", "kept"])
+        return g.output(y, "logits", F32, ["batch", "kept", lm_head.shape[0]])
 
     def table(self) -> dict:
         packed = None

@@ -61,6 +61,15 @@ class Graph:
         self._used.add(name)
         return name
 
+    def input_with_default(self, name: str, value: np.ndarray) -> str:
+        """A graph input that is also an initializer of the same name: callers may feed it, else the default holds
+        (ONNX IR >= 4; onnxruntime lists it under overridable initializers, not required inputs)."""
+        arr = np.asarray(value)
+        self.inputs.append(helper.make_tensor_value_info(name, _NP_TO_ONNX[arr.dtype], list(arr.shape)))
+        self._used.add(name)
+        self.initializers.append(numpy_helper.from_array(arr, name))
+        return name
+
     def output(self, value: str, name: str, elem: int, shape: list) -> str:
         """Expose `value` as graph output `name` (an Identity renames it when the names differ)."""
         if value != name:

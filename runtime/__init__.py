@@ -6,12 +6,14 @@
     print(target.decode(gen.tokens), gen.stats.acceptance)
 """
 
-from .context import Context, RollbackError, default_mode
+from .context import PREFILL_CHUNK, Context, RollbackError, Rows, default_mode
+from .drafters import Draft, Drafter, ModelDrafter
 from .generation import Generator, final_text, generate, stream_text
 from .model import Model, load
 from .providers import PROVIDERS
 from .sampling import SamplingParams
 from .stats import Stats
 
-__all__ = ["Context", "Generator", "Model", "PROVIDERS", "RollbackError", "SamplingParams", "Stats", "final_text",
-           "default_mode", "generate", "load", "stream_text"]
+__all__ = ["Context", "Draft", "Drafter", "Generator", "Model", "ModelDrafter", "PREFILL_CHUNK", "PROVIDERS",
+           "RollbackError", "Rows", "SamplingParams", "Stats", "final_text", "default_mode", "generate", "load",
+           "stream_text"]

@@ -3,7 +3,9 @@
 With per-token acceptance a, a round drafting k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average and
 costs C(k+1) + k*c + r target-step units (C(n): target forward of n tokens relative to one; c: drafter step; r:
 rollback). The acceptance estimate is a decayed maximum-likelihood one: accepted / (accepted + rejections), since a
-round ends at its first rejection. Costs come from `measure_costs` on the live contexts, once per pair.
+round ends at its first rejection. Costs come from `measure_costs` on the live contexts, once per Generator unless
+the caller hands a Generator the costs another one measured (a chat session, the bench): never from a cache keyed
+by object ids, which outlive the sessions they named.
 """
 
 from __future__ import annotations
@@ -73,10 +75,10 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
     for rep in range(reps + 1):  # repetition 0 warms every shape up and is not kept
         for n in range(1, n_max + 1):
             t0 = time.perf_counter()
-            tctx.forward(tokens[:n])
+            tctx.forward(tokens[:n], keep=n, logits=False)  # a greedy verify: n rows of ids
             t1 = time.perf_counter()
-            dctx.forward(tokens[:1])
-            dctx.forward(tokens[:1])
+            dctx.forward(tokens[:1], keep=1, logits=False)
+            dctx.forward(tokens[:1], keep=1, logits=False)
             t3 = time.perf_counter()
             keep = 1 if n > 1 else 0  # a partial acceptance: both contexts roll back
             tctx.rollback(tctx.n_past - (n - keep))

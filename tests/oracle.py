@@ -48,6 +48,7 @@ class Step:
     logits: np.ndarray  # [B, T, vocab]
     state: dict  # state input name -> array
     rollback: np.ndarray | None  # the packed `rollback_data` output [B, T, width], None without recurrent layers
+    next_tokens: np.ndarray | None = None  # [B, kept] int64, exports with `logits_to_keep`
 
 
 class OrtModel:
@@ -81,16 +82,19 @@ class OrtModel:
         """`state` with each KV buffer cut to its first `length` rows, the part a forward has written."""
         return {n: v[:, :, :length] if self.entries[n]["role"].startswith("kv") else v for n, v in state.items()}
 
-    def forward(self, state: dict, ids, past_len: int) -> Step:
+    def forward(self, state: dict, ids, past_len: int, keep: int | None = None) -> Step:
+        """keep: feed `logits_to_keep` (None: leave the graph's default, every row)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         t = ids.shape[1]
         feeds = {"input_ids": ids, "position_ids": np.arange(past_len, past_len + t, dtype=np.int64)[None],
                  "attention_mask": np.ones((1, past_len + t), dtype=np.int64), **state}
+        if keep is not None:
+            feeds["logits_to_keep"] = np.array(keep, dtype=np.int64)
         names = [o.name for o in self.fwd.get_outputs()]
         out = dict(zip(names, self.fwd.run(None, feeds)))
         new_state = {name: out[e["output"]] for name, e in self.entries.items()}
         packed = self.manifest.rollback_data
-        return Step(out["logits"], new_state, out[packed["name"]] if packed else None)
+        return Step(out["logits"], new_state, out[packed["name"]] if packed else None, out.get("next_tokens"))
 
     def replay(self, state: dict, rollback: np.ndarray, j: int) -> dict:
         """Advance the conv/recurrent part of `state` over the first j tokens of a forward's rollback data."""

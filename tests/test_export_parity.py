@@ -104,6 +104,57 @@ def test_replay_restores_accepted_prefix(model_type, ort_model, hf_model):
         check_step(f"decode after rollback to j={j}", o, nxt, h, h.forward(ids[PREFIX + 9:PREFIX + 10]))
 
 
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_logits_to_keep(model_type, ort_model):
+    """The head on the last `logits_to_keep` rows only: those rows equal the same rows of a full forward, every
+    state output is unchanged, and `next_tokens` equals NumPy's argmax of the returned rows (first max on ties).
+    The default (input not fed) and 0 keep every row; a count over the length keeps every row too."""
+    o, ids = ort_model(model_type), tokens(PREFIX + 9, 7)
+    assert o.manifest.data["graphs"]["forward"]["logits_to_keep"] is True
+    prefilled = o.forward(o.initial_state(), ids[:PREFIX], 0).state
+    full = o.forward(prefilled, ids[PREFIX:], PREFIX)
+    assert full.logits.shape[1] == 9 and np.array_equal(full.next_tokens, full.logits.argmax(-1))
+    for keep in (1, 2, 5, 9, 0, 40):
+        step = o.forward(prefilled, ids[PREFIX:], PREFIX, keep=keep)
+        rows = 9 if keep in (0, 40) else keep
+        assert step.logits.shape == (1, rows, VOCAB) and step.next_tokens.shape == (1, rows)
+        assert_close(f"keep {keep}: logits rows", step.logits, full.logits[:, 9 - rows:], RTOL)
+        assert np.array_equal(step.next_tokens, step.logits.argmax(-1)), f"keep {keep}: next_tokens != argmax"
+        for name, value in step.state.items():
+            assert np.array_equal(value, full.state[name], equal_nan=True), f"keep {keep}: {name} changed"
+
+    # Ties: the exported ArgMax node, run alone on a row with three equal maxima, picks the first as np.argmax does.
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    node = next(n for n in onnx.load(str(o.manifest.graph_path("forward")), load_external_data=False).graph.node
+                if n.op_type == "ArgMax")
+    f = onnx.TensorProto.FLOAT
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("ArgMax", ["x"], ["y"], **{a.name: helper.get_attribute_value(a) for a in node.attribute})],
+        "tie", [helper.make_tensor_value_info("x", f, [1, 1, VOCAB])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.INT64, None)]), opset_imports=[helper.make_opsetid("", 21)])
+    tie = np.zeros((1, 1, VOCAB), np.float32)
+    tie[0, 0, [200, 7, 300]] = 1.0
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": tie})[0]
+    assert int(got.reshape(-1)[0]) == int(np.argmax(tie)) == 7
+
+
+def test_logits_to_keep_in_window_graph(tiny_export):
+    """The state-window variant (CUDA) keeps the optional input and the argmax output, and its manifest says so."""
+    import onnx
+
+    from snapspec import manifest as mf
+
+    folder = tiny_export("qwen3_5_text")
+    m = mf.load(folder)
+    assert m.data["graphs"]["forward_window"]["logits_to_keep"] is True
+    g = onnx.load(str(m.graph_path("forward_window")), load_external_data=False).graph
+    assert "logits_to_keep" in {i.name for i in g.input} and "logits_to_keep" in {i.name for i in g.initializer}
+    assert "next_tokens" in {o.name for o in g.output}
+
+
 def run_sequence(o: OrtModel, ids: np.ndarray, split: int) -> np.ndarray:
     """Prefill ids[:split], then verify the rest in one forward; all logits rows, [T, vocab]."""
     first = o.forward(o.initial_state(), ids[:split], 0)

@@ -12,7 +12,7 @@ import pytest
 
 from snapspec.runtime import Context, Generator, default_mode, load
 from snapspec.runtime.providers import available
-from snapspec.tools import conformance
+from snapspec.runtime import contract
 
 PAIRS = [("qwen3_5_text", "qwen3_next"), ("qwen3_next", "lfm2"), ("lfm2", "qwen3"), ("qwen3", "qwen3_5_text")]
 CASES = [("cuda", "float16"), ("webgpu", "float32"), ("webgpu", "float16")]
@@ -36,7 +36,7 @@ def test_contract_on_gpu(tiny_export, ep, dtype, recurrent, target, drafter):
     d = load(tiny_export(drafter, dtype=dtype), ep, role="drafter")
     assert t.ep == ep and t.device != "cpu"
     assert (t.state_window is not None) == (ep == "cuda" and recurrent == "auto" and t.has_recurrent)
-    assert not _failed(conformance.run_checks(t, d, window=8, new_tokens=24))
+    assert not _failed(contract.run_checks(t, d, window=8, new_tokens=24))
 
 
 @pytest.mark.parametrize("target", [t for t, _ in PAIRS])
@@ -47,7 +47,7 @@ def test_webgpu_fp16_numerics(tiny_export, target):
     first differing token at 16-23 of 24). The trained pair-a passes every check in fp16 (BENCHMARKS.md)."""
     _need("webgpu")
     t = load(tiny_export(target, dtype="float16"), "webgpu")
-    checks = [conformance.check_multi_vs_single(t), conformance.check_rollback(t, default_mode(t))]
+    checks = [contract.check_multi_vs_single(t), contract.check_rollback(t, default_mode(t))]
     assert not _failed(checks)
 
 
@@ -59,7 +59,7 @@ def test_state_window_on_cuda(tiny_export, target):
     win, rep = load(folder, "cuda"), load(folder, "cuda", recurrent="replay")
     drafter = load(tiny_export("qwen3" if target == "lfm2" else "lfm2", dtype="float16"), "cuda", role="drafter")
     assert Context(win).mode == "window" and Context(rep).mode == "replay"
-    assert not _failed(conformance.run_checks(win, drafter, window=8, new_tokens=24))
+    assert not _failed(contract.run_checks(win, drafter, window=8, new_tokens=24))
     ids = rep.encode("def forward(self, x):")
     for k in (1, 3, 7):
         a = Generator(rep, ids, drafter=drafter, max_new_tokens=40, draft_max=k, stop_at_eos=False)
@@ -77,12 +77,12 @@ def test_gpu_logits_match_cpu(tiny_export, ep, dtype):
     cpu, gpu = load(folder), load(folder, ep)
     ids = cpu.encode("def forward(self, x):") + list(range(5, 21))
     a, b = Context(cpu, 64), Context(gpu, 64)
-    rows_a, rows_b = [a.forward(ids[:8])], [b.forward(ids[:8])]
+    rows_a, rows_b = [a.forward(ids[:8]).logits], [b.forward(ids[:8]).logits]
     for t in ids[8:]:
-        rows_a.append(a.forward([t]))
-        rows_b.append(b.forward([t]))
-    err = conformance.rel_err(np.concatenate(rows_b), np.concatenate(rows_a))
-    tol = 5e-2 if dtype == "float16" else conformance.tolerance(cpu)  # two fp16 implementations: both round
+        rows_a.append(a.forward([t]).logits)
+        rows_b.append(b.forward([t]).logits)
+    err = contract.rel_err(np.concatenate(rows_b), np.concatenate(rows_a))
+    tol = 5e-2 if dtype == "float16" else contract.tolerance(cpu)  # two fp16 implementations: both round
     assert err <= tol, f"{ep} vs cpu logits: rel err {err:.2e}"
 
 

@@ -1,6 +1,6 @@
 """The runtime's contract on tiny random models of every architecture, as target and as drafter.
 
-The checks are the conformance command's own functions (one implementation); this file adds long generations with
+The checks are the runtime's contract module, which the conformance command runs (one implementation); this file adds long generations with
 EOS and stop strings, sampling, the checkpoint path, and the errors.
 """
 
@@ -13,7 +13,7 @@ import pytest
 
 from snapspec import SnapspecError
 from snapspec.runtime import Context, Generator, RollbackError, SamplingParams, final_text, load, stream_text
-from snapspec.tools import conformance
+from snapspec.runtime import contract
 
 ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
 # Each architecture is a target once and a drafter once (the tiny models share one tokenizer).
@@ -37,7 +37,7 @@ def model(tiny_export):
 def test_contract(model, target, drafter):
     """multi-token == one-token steps, rollback exact for j = 0..W (NaN-poisoned buffers), greedy speculative ==
     greedy plain for k = 1..W, counters add up, drafter == target gives acceptance 1.0."""
-    checks = conformance.run_checks(model(target), model(drafter), window=8, new_tokens=24)
+    checks = contract.run_checks(model(target), model(drafter), window=8, new_tokens=24)
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     assert not failed, failed
     assert {c.where for c in checks} >= {"target", "drafter", "pair"}
@@ -176,17 +176,18 @@ def test_max_new_tokens_stops_at_context(model):
 
 
 def test_nonfinite_logits_stop(model, monkeypatch):
+    """Where logits come to the host (sampling), non-finite rows stop the run. Greedy steps move ids only."""
     t = model("qwen3_5_text")
-    g = Generator(t, [1, 2, 3], max_new_tokens=10, stop_at_eos=False)
+    g = Generator(t, [1, 2, 3], max_new_tokens=10, stop_at_eos=False, sampling=SamplingParams(temperature=1.0, seed=0))
     real = g.tctx.forward
     calls = {"n": 0}
 
-    def broken(tokens):
+    def broken(tokens, *args, **kwargs):
         calls["n"] += 1
-        rows = real(tokens)
+        rows = real(tokens, *args, **kwargs)
         if calls["n"] == 3:
-            rows = rows.copy()
-            rows[-1, 5] = np.nan
+            rows.logits = rows.logits.copy()
+            rows.logits[-1, 5] = np.nan
         return rows
 
     monkeypatch.setattr(g.tctx, "forward", broken)

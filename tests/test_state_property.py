@@ -60,7 +60,7 @@ class Reference:
         key = tuple(tokens)
         if key not in self.memo:
             ctx = Context(self.model, MAX_LEN, poison=True)
-            rows = ctx.forward(tokens) if tokens else None
+            rows = ctx.forward(tokens).logits if tokens else None
             self.memo[key] = (rows, ctx.state_snapshot())
         return self.memo[key]
 
@@ -96,7 +96,7 @@ class Driver:
 
     # -- operations ------------------------------------------------------------------------------------------------
     def forward(self, tokens: list[int], what: str) -> None:
-        rows = self.ctx.forward(tokens)
+        rows = self.ctx.forward(tokens).logits
         self.acc += tokens
         self.check_rows(rows, self.acc, what)
 
@@ -112,7 +112,7 @@ class Driver:
 
     def probe(self, tok):
         """Next-token logits: forward one token, compare, roll it back (always possible right after a forward)."""
-        rows = self.ctx.forward([tok])
+        rows = self.ctx.forward([tok]).logits
         self.check_rows(rows, self.acc + [tok], "probe")
         assert self.ctx.can_rollback(1) is not None, f"cannot undo a one-token forward\n{self.history}"
         self.ctx.rollback(self.ctx.n_past - 1)
@@ -130,7 +130,7 @@ class Driver:
             cp_pos = self.cp[0]
             self.acc = self.acc[:pos]
             if pos > cp_pos:
-                rows = self.ctx.forward(self.acc[cp_pos:pos])
+                rows = self.ctx.forward(self.acc[cp_pos:pos]).logits
                 self.check_rows(rows, self.acc, "re-decode after restore")
             mode = "checkpoint"
         else:

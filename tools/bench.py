@@ -145,10 +145,10 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
                             f"export's {target.manifest.max_context}")
     tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
     dctx = Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"), window=window)
-    if tctx.slots and tctx.mode not in ("replay", "window"):
+    if tctx.recurrent and tctx.mode not in ("replay", "window"):
         raise SnapspecError(f"{target.folder} cannot roll back its recurrent state without a checkpoint (no replay "
                             "graph, e.g. an onnxruntime-genai builder folder); bench needs a snapspec export as target")
-    if tctx.slots and max(ks) > tctx.depth:
+    if tctx.recurrent and max(ks) > tctx.depth:
         raise SnapspecError(f"the target's {tctx.mode} rollback undoes at most {tctx.depth} draft tokens; bench k up "
                             f"to {tctx.depth}")
 
@@ -167,6 +167,7 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
     def plain_pass():
         toks, secs, outs = 0, 0.0, []
         for i in ids:
+            tctx.reset()  # every run from scratch: a reused context would resume what the last run left
             g = Generator(target, i, max_new_tokens=max_new_tokens, stop_at_eos=False, target_ctx=tctx)
             g.run()
             toks += len(g.tokens) - 1
@@ -186,6 +187,8 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
         for cfg in configs:
             toks, secs, st = 0, 0.0, []
             for n, i in enumerate(ids):
+                tctx.reset()
+                dctx.reset()
                 g = Generator(target, i, drafter=drafter, max_new_tokens=max_new_tokens, stop_at_eos=False,
                               draft_max=cfg.k, rollback=cfg.rollback, window=window, target_ctx=tctx,
                               drafter_ctx=dctx, costs=costs)

@@ -62,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=positive_int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--rollback", choices=["auto", "checkpoint"], default="auto")
-    p.add_argument("--context", type=positive_int, default=None, help="context length (default: the export's)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help="context length to allocate (default: prompt + max-new-tokens + rollback window)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="prompt tokens per prefill forward (default 512; bounds prefill memory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_runtime_flags(p)
 
@@ -128,7 +131,7 @@ def cmd_generate(args) -> int:
     target, drafter = load_models(args, args.target, args.drafter)
     gen = Generator(target, target.encode(prompt), drafter=drafter, max_new_tokens=args.max_new_tokens,
                     sampling=sampling, draft_max=args.draft_max, rollback=args.rollback, stop_strings=args.stop,
-                    context=args.context)
+                    context=args.context, prefill_chunk=args.prefill_chunk)
     if args.json:
         gen.run()
         print(json.dumps(_result(gen, target, drafter, final_text(gen)), indent=2))

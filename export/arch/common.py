@@ -58,7 +58,8 @@ def gdn_fields(config: dict) -> dict:
 def residual_stack(dec: Decoder, h: str, n_layers: int, eps: float,
                    input_norm: Callable[[int], np.ndarray], post_norm: Callable[[int], np.ndarray],
                    mixer: Callable[[str, int], str], ffn: Callable[[str, int], str], final_norm: np.ndarray) -> str:
-    """Return the final-normed hidden state. Norm weights are passed already in x * gamma form."""
+    """Return the final-normed hidden state of the kept positions (Decoder.final_norm). Norm weights are passed
+    already in x * gamma form."""
     g = dec.fwd
     with g.scope("model/layers.0"):
         x = g.rms_norm(h, input_norm(0), eps, "input_layernorm")
@@ -70,8 +71,7 @@ def residual_stack(dec: Decoder, h: str, n_layers: int, eps: float,
             with g.scope(f"model/layers.{i + 1}"):
                 x, h = g.skip_rms_norm(y, h, input_norm(i + 1), eps, "input_layernorm")
         else:
-            with g.scope("model/norm"):
-                x, h = g.skip_rms_norm(y, h, final_norm, eps, "norm")
+            x = dec.final_norm(y, h, final_norm, eps)
     return x
 
 
