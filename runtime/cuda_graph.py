@@ -44,8 +44,7 @@ SKIP = run_options(-1)  # an ordinary run of a session that captures graphs
 @dataclass
 class _Graph:
     binding: ort.IOBinding
-    order: list[str]  # output names in get_outputs() order
-    outputs: dict[str, ort.OrtValue]  # the graph's own output buffers (not the state's)
+    outputs: dict[str, ort.OrtValue]  # the graph's own output buffers (the state's are the stores')
     options: ort.RunOptions
     runs: int = 0
 
@@ -56,7 +55,7 @@ class GraphSession:
     def __init__(self, session: ort.InferenceSession):
         self.session = session
         self._ids = itertools.count(1)
-        self.captured = 0
+        self.captured = 0  # graph ids handed out (each is captured on its first run)
 
     def new_id(self) -> int:
         self.captured += 1
@@ -64,32 +63,36 @@ class GraphSession:
 
 
 class CapturedSteps:
-    """The captured forwards of one context: `run(key, tokens, start)` for keys the context names."""
+    """The fixed-address forwards of one context, one graph per key (token count, keep, state binding)."""
 
-    def __init__(self, graphs: GraphSession, device: str, max_len: int, max_graphs: int, position_rows: int = 1):
-        if position_rows != 1:
-            raise SnapspecError("CUDA graphs need a graph with one row of position_ids (a snapspec export)")
+    def __init__(self, graphs: GraphSession, device: str, max_len: int, max_graphs: int = 64):
         self.graphs, self.device, self.max_len, self.max_graphs = graphs, device, max_len, max_graphs
         self._inputs: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # T -> (host mirror, device buffer)
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: dict = {}
 
     def can_run(self, key) -> bool:
         return key in self._graphs or len(self._graphs) < self.max_graphs
 
-    def run(self, key, t: int, tokens: np.ndarray, start: int, bind_state, outputs: dict) -> dict:
-        """One forward of t tokens from position `start`. key identifies the state binding (with t); bind_state(b)
-        binds the state inputs/outputs and returns their output names in binding order; outputs: {name: (shape,
-        numpy dtype)} for every other graph output. Returns {name: device OrtValue} of those outputs."""
+    def run(self, key, tokens: np.ndarray, start: int, make) -> dict[str, ort.OrtValue]:
+        """One forward of tokens [t] from position `start`. make(binding) binds everything but the packed inputs
+        (state, logits_to_keep, outputs at addresses of its own) the first time a key is seen and returns
+        {name: OrtValue} of the outputs to read; later runs of the key only rewrite the packed inputs."""
+        t = len(tokens)
         host, buf = self._packed(t)
         host[:t] = tokens
         host[t:2 * t] = np.arange(start, start + t)
-        mask = host[2 * t:]
-        mask[:start + t] = 1
-        mask[start + t:] = 0
-        buf.update_inplace(host)
-        g = self._graphs.get((t, key))
+        host[2 * t:2 * t + start + t] = 1
+        host[2 * t + start + t:] = 0
+        buf.update_inplace(host)  # one host -> device copy of ids, positions and mask
+        g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[(t, key)] = self._make(t, buf, bind_state, outputs)
+            b = self.graphs.session.io_binding()
+            ptr = buf.data_ptr()
+            b.bind_input("input_ids", self.device, 0, np.int64, [1, t], ptr)
+            b.bind_input("position_ids", self.device, 0, np.int64, [1, t], ptr + 8 * t)
+            b.bind_input("attention_mask", self.device, 0, np.int64, [1, self.max_len], ptr + 16 * t)
+            outputs = make(b)
+            g = self._graphs[key] = _Graph(b, outputs, run_options(self.graphs.new_id()))
         self.graphs.session.run_with_iobinding(g.binding, g.options)
         g.runs += 1
         return g.outputs
@@ -99,17 +102,3 @@ class CapturedSteps:
             host = np.zeros(2 * t + self.max_len, dtype=np.int64)
             self._inputs[t] = host, ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
         return self._inputs[t]
-
-    def _make(self, t: int, buf: ort.OrtValue, bind_state, outputs: dict) -> _Graph:
-        b = self.graphs.session.io_binding()
-        ptr = buf.data_ptr()
-        b.bind_input("input_ids", self.device, 0, np.int64, [1, t], ptr)
-        b.bind_input("position_ids", self.device, 0, np.int64, [1, t], ptr + 8 * t)
-        b.bind_input("attention_mask", self.device, 0, np.int64, [1, self.max_len], ptr + 16 * t)
-        order = list(bind_state(b))
-        values = {}
-        for name, (shape, dtype) in outputs.items():
-            values[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), self.device, 0)
-            b.bind_ortvalue_output(name, values[name])
-            order.append(name)
-        return _Graph(b, order, values, run_options(self.graphs.new_id()))

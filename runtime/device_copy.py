@@ -101,6 +101,10 @@ class Copier:
         else:
             self.kind = "copy_tensors"  # checked on first use; a provider without a data transfer goes by host
 
+    def __call__(self, src: ort.OrtValue, dst: ort.OrtValue) -> None:
+        """dst <- src, whole tensors of one size."""
+        self.copy([(Region(src), Region(dst))])
+
     def copy(self, pairs: list[tuple[Region, Region]]) -> None:
         """dst <- src for each (src, dst) pair of equal byte sizes; complete when this returns."""
         for src, dst in pairs:

@@ -15,7 +15,7 @@ import pytest
 
 from snapspec.runtime import Context, default_mode, load
 from snapspec.runtime.device_copy import Copier, Region
-from snapspec.tools.conformance import rel_err
+from snapspec.runtime.contract import rel_err
 
 
 def _script(ctx_a, ctx_b, rng, vocab):

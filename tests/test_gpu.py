@@ -99,11 +99,11 @@ def test_cuda_graph_steps_match_uncaptured(tiny_export, target, drafter):
     for model, ref in ((graph_t, plain_t), (graph_d, plain_d)):  # step by step, logits compared
         a, b = Context(ref, 64), Context(model, 64)
         ra, rb = a.prefill(ids), b.prefill(ids)
-        errs = [conformance.rel_err(rb.logits, ra.logits)]
+        errs = [contract.rel_err(rb.logits, ra.logits)]
         tok = int(ra.ids[-1])
         for _ in range(12):
             ra, rb = a.forward([tok], keep=1), b.forward([tok], keep=1)
-            errs.append(conformance.rel_err(rb.logits, ra.logits))
+            errs.append(contract.rel_err(rb.logits, ra.logits))
             assert rb.ids.tolist() == ra.ids.tolist()
             tok = int(ra.ids[-1])
         assert max(errs) <= 3e-3, f"captured vs ordinary logits: rel err {max(errs):.2e}"
