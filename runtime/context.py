@@ -167,7 +167,7 @@ class Context:
         # Outputs whose shape depends on the call are bound afresh, so each run allocates them (a returned view
         # of the last call's logits stays valid).
         for name in self._extra:
-            if self.steps is not None:
+            if self._run_options is not None:  # this session replays graphs: no arena-allocated outputs
                 dims, dt = self._output_shape(name, t, keep)
                 b.bind_output(name, self.device, 0, dt, dims, self._scratch_for(name, dims, dt).data_ptr())
             else:
@@ -239,8 +239,8 @@ class Context:
         bound = []
         for s, k in zip(self.stores, keys):
             bound += s.bind(b, k)
-        if self.keeps_rows:
-            b.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))  # a shape input: read on the host
+        if self.keeps_rows and keep < t:  # a shape input, read on the host at capture; 0 (the default) keeps all
+            b.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))
         outs = {}
         for name in self._outputs:
             if name not in bound:

@@ -122,16 +122,18 @@ class Copier:
             except RuntimeError:  # "no data transfer registered" for this device
                 self.kind = "host"
             self._host(pairs)
-        else:
+        else:  # host, or part of a buffer on a plugin EP (copy_tensors copies whole tensors only)
             self._host(pairs)
 
     @staticmethod
     def _host(pairs) -> None:
-        """Through the host: whole tensors only (update_inplace takes a whole array)."""
+        """Through the host: the whole source comes back, the destination goes out whole (update_inplace takes a
+        whole array)."""
         for src, dst in pairs:
-            if not (_whole(src) and _whole(dst)):
-                raise SnapspecError("a partial device copy needs a device-side copy path (CUDA or a plugin EP)")
-            dst.value.update_inplace(src.value.numpy())
+            data = src.value.numpy().reshape(-1).view(np.uint8)[src.offset:src.offset + src.nbytes]
+            out = dst.value.numpy().copy()
+            out.reshape(-1).view(np.uint8)[dst.offset:dst.offset + dst.nbytes] = data
+            dst.value.update_inplace(out)
 
 
 def _whole(region: Region) -> bool:

@@ -64,12 +64,16 @@ def test_fixed_steps_respect_the_graph_limit(tiny_export):
     assert fixed.steps.graphs.captured == 2
 
 
-def test_copier_regions_on_cpu():
-    """Byte-range copies: a slice of one buffer into a slice of another, the rest untouched; sizes must agree."""
+@pytest.mark.parametrize("kind", ["numpy", "host"])
+def test_copier_regions_on_cpu(kind):
+    """Byte-range copies, direct and through the host path (the fallback of devices without a device copy): a
+    slice of one buffer into a slice of another, the rest untouched; sizes must agree."""
     src = ort.OrtValue.ortvalue_from_numpy(np.arange(24, dtype=np.float32).reshape(4, 6))
     dst = ort.OrtValue.ortvalue_from_numpy(np.full((4, 6), -1.0, dtype=np.float32))
     row = 6 * 4
-    Copier("cpu").copy([(Region(src, 2 * row, row), Region(dst, 1 * row, row))])
+    copier = Copier("cpu")
+    copier.kind = kind
+    copier.copy([(Region(src, 2 * row, row), Region(dst, 1 * row, row))])
     out = dst.numpy()
     assert out[1].tolist() == list(range(12, 18)) and (out[[0, 2, 3]] == -1).all()
     with pytest.raises(Exception, match="bytes"):

@@ -4,7 +4,9 @@
 #   tools/h200_block.sh start PAYLOAD     unpack the payload, start the block (setsid), return at once
 #   tools/h200_block.sh wait SECONDS      print progress until the block ends or SECONDS pass
 #   tools/h200_block.sh collect OUT_DIR   results (JSON, logs) as one tar.gz in OUT_DIR
-# PAYLOAD holds: ort.tar.xz* (the onnxruntime-gpu 1.31.1 package folder, tar.xz, split in parts), src.tar (this
+# PAYLOAD holds: ort90.tar.xz.* (the onnxruntime-gpu 1.31.1 package folder, tar.xz, in parts, with the CUDA
+# provider's non-sm_90 kernel images zeroed so that it travels in two calls; tools/ort_sm90.py) or ort.tar.xz.* (the
+# whole package, in more parts: used if the first fails its check), src.tar (this
 # repository, `git archive HEAD`), llama.cpp-b11312-seedfix.tar.xz (../shared/peers/llama.cpp/src), tok/ (pair-a's
 # tokenizer.json + tokenizer_config.json) and pair/ (pair-a exported with --dtype fp16 --quant int4: target/,
 # drafter/, prompts.jsonl). A second payload (more ort parts, the pair) may arrive later: `start` again with it only
@@ -65,19 +67,14 @@ print(ort.__version__, s.get_providers(), "rel err", float(np.abs(y - ref).max()
 assert s.get_providers()[0] == "CUDAExecutionProvider" and np.abs(y - ref).max() < 0.05 * np.abs(ref).max()
 PY
 }
-try_ort() {  # the sm_90-only package first (it travels in one call), else the full one once all its parts are here
+try_ort() {  # the sm_90-only package first (it travels in two calls), else the full one once all its parts are here
   [ -e $B/mark/ort.ok ] && return 0
-  if [ -e $B/payload/ort90.tar.xz ] && [ ! -e $B/mark/ort90.failed ]; then
-    stage ort90 install_ort $B/payload/ort90.tar.xz && { touch $B/mark/ort.ok; return 0; }
+  if [ "$(ls $B/payload/ort90.tar.xz.* 2>/dev/null | wc -l)" = "${ORT90_PARTS:-2}" ] && [ ! -e $B/mark/ort90.failed ] \
+      && [ ! -e $B/mark/ort90.skipped ]; then
+    stage ort90 install_ort $B/payload/ort90.tar.xz.* && { touch $B/mark/ort.ok; return 0; }
   fi
-  [ "$(ls $B/payload/ort.tar.xz.* 2>/dev/null | wc -l)" = "${ORT_PARTS:-5}" ] || return 1
-  rm -f $B/mark/ort.failed
+  [ "$(ls $B/payload/ort.tar.xz.* 2>/dev/null | wc -l)" = "${ORT_PARTS:-4}" ] || return 1
   stage ort install_ort $B/payload/ort.tar.xz.*
-}
-install_src() {
-  mkdir -p $B/src && tar xf $B/payload/src.tar -C $B/src
-  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $B/site $B/src
-  mkdir -p $B/shared/models/pair-a/target && cp $B/payload/tok/* $B/shared/models/pair-a/target/
 }
 build_llama() {
   mkdir -p $B/llama && tar xJf $B/payload/llama.cpp-b11312-seedfix.tar.xz -C $B/llama --strip-components=1
@@ -199,7 +196,7 @@ case $cmd in
     export R D
     [ -e $B/mark/src.ok ] || { [ -e $B/payload/src.tar ] && stage src install_src; }
     [ -d $B/payload/pair/target ] && touch $B/mark/pair.ok
-    cp "$0" $B/block.sh
+    [ "$0" -ef $B/block.sh ] || cp "$0" $B/block.sh
     if [ ! -e $B/cpu-started ] && [ -e $B/mark/src.ok ]; then
       touch $B/cpu-started
       setsid bash $B/block.sh cpu > $B/logs/cpu.log 2>&1 < /dev/null &
@@ -214,6 +211,7 @@ case $cmd in
     end=$(( $(date +%s) + ${2:-60} ))
     n=0
     while [ ! -e $B/mark/all.done ] && [ $(date +%s) -lt $end ]; do
+      [ -e $B/gpu-started ] || [ ! -e $B/mark/ort90.failed ] || { echo NEED-FULL-ORT; break; }
       sleep 5
       m=$(wc -l < $B/progress); [ $m -gt $n ] && { tail -n +$((n + 1)) $B/progress; n=$m; }
     done
