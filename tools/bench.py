@@ -127,6 +127,7 @@ def provenance(target, drafter, threads) -> dict:
             "providers": {"target": target.providers_used(), "drafter": drafter.providers_used()},
             "manifests": {"target": target.manifest.digest(), "drafter": drafter.manifest.digest()},
             "exports": {"target": target.manifest.data["export"], "drafter": drafter.manifest.data["export"]},
+            "cuda_graph": {"target": target.graph_tokens, "drafter": drafter.graph_tokens},
             "threads": threads, "cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0],
             "platform": platform.platform()}
 
