@@ -87,19 +87,25 @@ class Context:
         if rec_specs:
             if mode == "window":
                 self.window = int(model.state_window)  # fixed by the graph
-                self.recurrent = WindowState(rec_specs, self.window, self.device, rec_fill)
+                self.recurrent = WindowState(rec_specs, self.window, self.device, self.copy, rec_fill)
             elif mode == "replay":
-                self.recurrent = ReplayState(rec_specs, model.replay, self.window, self.device, rec_fill)
+                self.recurrent = ReplayState(rec_specs, model.replay, self.window, self.device, self.copy,
+                                             rec_fill)
             else:
-                self.recurrent = RingState(rec_specs, self.window, self.device, rec_fill)
+                self.recurrent = RingState(rec_specs, self.window, self.device, self.copy, rec_fill)
         self.stores = [s for s in (self.kv, self.recurrent) if s is not None]
         self._saved = Checkpoint(self.recurrent, self.device, self.copy) if self.recurrent else None
         self._checkpoint: int | None = None
-        inputs = {i.name for i in model.session.get_inputs()}
-        outputs = {o.name for o in model.session.get_outputs()}
+        session = model.session
+        # logits_to_keep is an overridable initializer (default: every row), which onnxruntime lists apart
+        inputs = {i.name for i in session.get_inputs() + session.get_overridable_initializers()}
+        outputs = {o.name for o in session.get_outputs()}
         self.keeps_rows = "logits_to_keep" in inputs  # the graph computes only the kept rows
         self.argmax_in_graph = "next_tokens" in outputs
         self._ones = np.ones((1, self.max_len), dtype=np.int64)  # attention_mask: a prefix of it, bound by pointer
+        # logits_to_keep is bound by pointer too: onnxruntime's IOBinding refuses a NumPy array for an overridable
+        # initializer (bind_cpu_input looks it up among the required inputs), not a pointer.
+        self._keep = np.zeros((), dtype=np.int64)
         self._bindings: dict = {}
         self._outputs = {o.name: o for o in model.session.get_outputs()}
         self._extra: list[str] | None = None  # outputs no store binds (rollback data): bound per call
@@ -163,7 +169,8 @@ class Context:
             b.bind_cpu_input("position_ids", positions)
         b.bind_input("attention_mask", "cpu", 0, np.int64, [1, self.n_past + t], self._ones.ctypes.data)
         if self.keeps_rows:
-            b.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))
+            self._keep[()] = keep
+            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], self._keep.ctypes.data)
         # Outputs whose shape depends on the call are bound afresh, so each run allocates them (a returned view
         # of the last call's logits stays valid).
         for name in self._extra:

@@ -89,6 +89,8 @@ class Generator:
                                                window=self.window, poison=poison)
             self.drafter = ModelDrafter(self.dctx, self.prefill_chunk)
         elif drafter is not None:
+            if drafter_ctx is not None:
+                raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
             self.drafter = drafter
             self.dctx = drafter.ctx
         if self.drafter is not None and self.tctx.recurrent:
@@ -156,7 +158,8 @@ class Generator:
             st.prompt_reused, st.prompt_prefilled = reused, len(self.prompt) - reused
             if self.drafter is not None:
                 self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st)
-        out = self._emit([self._pick(rows, "the target's prefill")])
+            first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
+        out = self._emit([first])
         self._calibrate()
         if out:
             yield out

@@ -154,8 +154,8 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
                             f"to {tctx.depth}")
 
     # The cost model's terms, on a context prefilled with the first prompt.
-    tctx.forward(ids[0])
-    dctx.forward(ids[0])
+    tctx.prefill(ids[0], logits=False)
+    dctx.prefill(ids[0], logits=False)
     costs = measure_costs(tctx, dctx, max(ks) + 1, reps=9, tokens=(ids[0] * 9)[: max(ks) + 1])
     tctx.reset()
     dctx.reset()

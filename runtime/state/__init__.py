@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from ..device_copy import Copier as DeviceCopy  # noqa: F401  (the stores' copier: device to device where possible)
+
 
 class Store:
     """Defaults for a store whose buffers need no per-call outputs and no checkpoint (attention KV)."""
@@ -90,12 +92,23 @@ def host_array(value: ort.OrtValue) -> np.ndarray:
     return value.numpy()
 
 
-def zero(value: ort.OrtValue) -> None:
-    """Fill a buffer with zeros in place (its bound address does not change)."""
-    if value.device_name() == "cpu":
-        value.numpy()[...] = 0
-    else:
-        value.update_inplace(np.zeros(value.shape(), dtype=value_dtype(value)))
+class Zeros:
+    """Zero-fills buffers in place (their bound addresses do not change): on the host through NumPy; on a device by
+    a copy from a zero buffer of the same shape, made once and kept (a device copy may complete after the call
+    returns, so its source must outlive it)."""
+
+    def __init__(self, device: str, copy: "DeviceCopy"):
+        self.device, self.copy = device, copy
+        self.sources: dict = {}
+
+    def __call__(self, values: dict) -> None:
+        for name, value in values.items():
+            if value.device_name() == "cpu":
+                value.numpy()[...] = 0
+                continue
+            if name not in self.sources:
+                self.sources[name] = allocate(value.shape(), value_dtype(value), self.device, 0.0)
+            self.copy(self.sources[name], value)
 
 
 def bind_prefix(binding: ort.IOBinding, name: str, value: ort.OrtValue, j: int, device: str) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import onnxruntime as ort
 
-from . import bind_prefix
+from . import DeviceCopy, bind_prefix
 from .ring import SlotState
 
 
@@ -30,12 +30,13 @@ class _Forward:
 class ReplayState(SlotState):
     mode = "replay"
 
-    def __init__(self, specs: list[dict], replay: ort.InferenceSession, window: int, device: str, fill: float = 0.0):
+    def __init__(self, specs: list[dict], replay: ort.InferenceSession, window: int, device: str, copy: DeviceCopy,
+                 fill: float = 0.0):
         self.replay = replay
         self.depth = window
         self._last: _Forward | None = None
         self._replay_bindings: dict = {}
-        super().__init__(specs, 2, device, fill)
+        super().__init__(specs, 2, device, copy, fill)
 
     def reset(self) -> None:
         super().reset()

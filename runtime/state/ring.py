@@ -11,20 +11,20 @@ from __future__ import annotations
 import numpy as np
 
 from ..device_copy import Region
-from . import Store, allocate, dtype, host_array, shape, zero
+from . import DeviceCopy, Store, Zeros, allocate, dtype, host_array, shape
 
 
 class SlotState(Store):
-    def __init__(self, specs: list[dict], n_slots: int, device: str, fill: float = 0.0):
+    def __init__(self, specs: list[dict], n_slots: int, device: str, copy: DeviceCopy, fill: float = 0.0):
         self.specs = specs
         self.device = device
+        self.zero = Zeros(device, copy)
         self.slots = [{s["name"]: allocate(shape(s, 0), dtype(s), device, fill) for s in specs}
                       for _ in range(n_slots)]
         self.reset()
 
     def reset(self) -> None:
-        for value in self.slots[0].values():
-            zero(value)
+        self.zero(self.slots[0])
         self.slot_pos: list[int | None] = [0] + [None] * (len(self.slots) - 1)
         self.cur = 0
 
@@ -67,12 +67,12 @@ class SlotState(Store):
         return {name: host_array(v).copy() for name, v in self.slots[self.cur].items()}
 
     def buffers(self):
-        return [v for slot in self.slots for v in slot.values()]
+        return [v for slot in self.slots for v in slot.values()] + list(self.zero.sources.values())
 
 
 class RingState(SlotState):
     mode = "ring"
 
-    def __init__(self, specs: list[dict], window: int, device: str, fill: float = 0.0):
+    def __init__(self, specs: list[dict], window: int, device: str, copy: DeviceCopy, fill: float = 0.0):
         self.depth = window
-        super().__init__(specs, window + 1, device, fill)
+        super().__init__(specs, window + 1, device, copy, fill)

@@ -11,25 +11,25 @@ from __future__ import annotations
 import numpy as np
 
 from ..device_copy import Region
-from . import Store, allocate, dtype, host_array, nbytes, shape, zero
+from . import DeviceCopy, Store, Zeros, allocate, dtype, host_array, nbytes, shape
 
 
 class WindowState(Store):
     mode = "window"
 
-    def __init__(self, specs: list[dict], window: int, device: str, fill: float = 0.0):
+    def __init__(self, specs: list[dict], window: int, device: str, copy: DeviceCopy, fill: float = 0.0):
         self.specs = specs  # the manifest's shapes; the graph adds a leading axis of W states
         self.window = window
         self.depth = window - 1
         self.device = device
+        self.zero = Zeros(device, copy)
         arena = 2 * window - 1
         self.slots = [{s["name"]: allocate([arena] + shape(s, 0), dtype(s), device, fill) for s in specs}
                       for _ in range(2)]
         self.reset()
 
     def reset(self) -> None:
-        for value in self.slots[0].values():
-            zero(value)
+        self.zero(self.slots[0])
         self.cur = 0
         self.states: dict[int, tuple[int, int]] = {0: (0, 2 * self.window - 2)}  # position -> (arena, index)
 
@@ -84,4 +84,4 @@ class WindowState(Store):
         return {name: host_array(v)[index:index + 1].copy() for name, v in self.slots[arena].items()}
 
     def buffers(self):
-        return [v for slot in self.slots for v in slot.values()]
+        return [v for slot in self.slots for v in slot.values()] + list(self.zero.sources.values())
