@@ -22,9 +22,9 @@
 # Checkpoints and GGUFs live on a tmpfs (the disk is 64 GB; the 9B's files alone are ~70 GB); each size's files are
 # deleted once measured. Stages that would start after $DEADLINE seconds are skipped and say so.
 set -uo pipefail
-B=/tmp/blk
+B=${BLOCK_DIR:-/tmp/blk}
 cmd=${1:?start|wait|collect}
-DEADLINE=${DEADLINE:-960}
+DEADLINE=${DEADLINE:-1080}
 
 ts() { echo "$(( $(date +%s) - $(cat $B/t0 2>/dev/null || date +%s) ))s"; }
 log() { echo "[$(ts)] $*" | tee -a $B/progress; }
@@ -76,6 +76,12 @@ try_ort() {  # the sm_90-only package first (it travels in two calls), else the 
   [ "$(ls $B/payload/ort.tar.xz.* 2>/dev/null | wc -l)" = "${ORT_PARTS:-4}" ] || return 1
   stage ort install_ort $B/payload/ort.tar.xz.*
 }
+install_src() {  # the package layout of pyproject.toml's package-dir, by copying (no build backend needed)
+  mkdir -p $B/src && tar xf $B/payload/src.tar -C $B/src &&
+    cp -r $B/src/snapspec $B/site/ && cp -r $B/src/export $B/src/runtime $B/src/tools $B/site/snapspec/ &&
+    mkdir -p $B/shared/models/pair-a/target && cp $B/payload/tok/* $B/shared/models/pair-a/target/ &&
+    py -c "import snapspec.runtime, snapspec.export, snapspec.tools.cli"
+}
 build_llama() {
   mkdir -p $B/llama && tar xJf $B/payload/llama.cpp-b11312-seedfix.tar.xz -C $B/llama --strip-components=1
   cd $B/llama && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
@@ -89,6 +95,7 @@ export_one() {  # export_one SHAPE NAME EXTRA...
 }
 gguf() {  # gguf SHAPE: F16 and Q4_0
   local extra=()
+  until [ -e $B/llama/convert_hf_to_gguf.py ]; do sleep 1; done  # unpacked by the build stage
   grep -q mtp_num_hidden_layers $R/ck/$1/config.json || extra+=(--no-mtp)
   PYTHONPATH=$B/llama/gguf-py python3 $B/llama/convert_hf_to_gguf.py $R/ck/$1 --outfile $R/gg/$1-f16.gguf \
     --outtype f16 "${extra[@]}"
@@ -102,15 +109,15 @@ memwatch() {  # memwatch FILE CMD...: run CMD while sampling device memory; the 
 }
 llama_bench() {  # llama_bench SHAPE TYPE
   local m=$R/gg/$1-$2.gguf
-  memwatch $B/res/llama-$1-$2.peakmib $B/llama/build/bin/llama-bench -m $m -p 512 -n 64 -ngl 99 -r 5 -o json \
+  memwatch $B/res/llama-$1-$2.peakmib timeout 180 $B/llama/build/bin/llama-bench -m $m -p 512 -n 64 -ngl 99 -r 5 -o json \
     > $B/res/llama-$1-$2.json
 }
 realscale() {  # realscale LABEL TARGET DRAFTER GRAPH
-  py $B/src/benchmarks/realscale.py --target $D/$2 --drafter $D/$3 --ep cuda --cuda-graph $4 \
+  timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/realscale.py --target $D/$2 --drafter $D/$3 --ep cuda --cuda-graph $4 \
     --emitted "$(cat $B/res/pair-a-emitted.txt 2>/dev/null)" --label $1 --json $B/res/realscale-$1.json
 }
 pair_bench() {  # pair_bench NAME GRAPH ROLLBACK
-  cd $B/tmp && py -m snapspec.tools.cli bench --target $B/payload/pair/target --drafter $B/payload/pair/drafter \
+  cd $B/tmp && timeout 360 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 -m snapspec.tools.cli bench --target $B/payload/pair/target --drafter $B/payload/pair/drafter \
     --ep cuda --cuda-graph $2 --prompts $B/payload/pair/prompts.jsonl --limit 8 --k 1,2,3,4 --reps 2 \
     --max-new-tokens 128 --rollback $3 --json $B/res/pair-a-$1.json
 }
@@ -118,21 +125,25 @@ emitted() {  # mean tokens per round by k, from the pair-a bench: the acceptance
   py -c "import json; r = json.load(open('$B/res/pair-a-$1.json'))['rows']; print(','.join(f\"{x['k']}:{x['mean_emitted_per_round']:.4f}\" for x in r if x['k'] != 'auto' and x['rollback'] == 'auto'))" \
     > $B/res/pair-a-emitted.txt
 }
-tests() { cd $B/tmp && py -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider; }
+tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider; }
 
 track_cpu() {  # checkpoints one after the other; each size's exports and GGUFs beside the next checkpoint
-  stage ckpt-qwen35-0.8b ckpt qwen35-0.8b && {
-    stage export-d08-fp16 export_one qwen35-0.8b d08-fp16 &
-    stage export-d08-int4 export_one qwen35-0.8b d08-int4 --quant int4 &
-    stage gguf-qwen35-0.8b gguf qwen35-0.8b &
-    wait; rm -rf $R/ck/qwen35-0.8b; } &
-  [ -e $B/mark/ckpt-qwen35-0.8b.ok ] || skip export-d08-fp16 export-d08-int4 gguf-qwen35-0.8b
-  stage ckpt-qwen35-4b ckpt qwen35-4b && {
-    stage export-4b-fp16 export_one qwen35-4b t4b-fp16 &
-    stage export-4b-int4 export_one qwen35-4b t4b-int4 --quant int4 &
-    stage gguf-qwen35-4b gguf qwen35-4b &
-    wait; rm -rf $R/ck/qwen35-4b; touch $B/mark/cpu-4b.ok; } &
-  [ -e $B/mark/ckpt-qwen35-4b.ok ] || { skip export-4b-fp16 export-4b-int4 gguf-qwen35-4b; touch $B/mark/cpu-4b.ok; }
+  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
+    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16 &
+      stage export-d08-int4 export_one qwen35-0.8b d08-int4 --quant int4 &
+      stage gguf-qwen35-0.8b gguf qwen35-0.8b &
+      wait; rm -rf $R/ck/qwen35-0.8b; } &
+  else
+    skip export-d08-fp16 export-d08-int4 gguf-qwen35-0.8b
+  fi
+  if stage ckpt-qwen35-4b ckpt qwen35-4b; then
+    { stage export-4b-fp16 export_one qwen35-4b t4b-fp16 &
+      stage export-4b-int4 export_one qwen35-4b t4b-int4 --quant int4 &
+      stage gguf-qwen35-4b gguf qwen35-4b &
+      wait; rm -rf $R/ck/qwen35-4b; touch $B/mark/cpu-4b.ok; } &
+  else
+    skip export-4b-fp16 export-4b-int4 gguf-qwen35-4b; touch $B/mark/cpu-4b.ok
+  fi
   stage ckpt-qwen35-9b ckpt qwen35-9b
   until [ -e $B/mark/cpu-4b.ok ]; do sleep 2; done  # memory: two 9B exports need the 4B's out of the way
   if [ -e $B/mark/ckpt-qwen35-9b.ok ]; then
