@@ -116,6 +116,7 @@ class Context:
                 raise SnapspecError("the fixed-address (CUDA graph) path needs a graph with [1, T] position_ids")
             self.steps = CapturedSteps(model.graphs or GraphSession(model.session), self.device, self.max_len)
         self._run_options = SKIP if model.graphs is not None else None
+        self._pinned: list = []  # host scalars that fixed-address bindings point to
         self._scratch: dict = {}  # graph mode: per-call device outputs of ordinary runs, [1, T, ...], grown on demand
         self.reset()
 
@@ -247,7 +248,9 @@ class Context:
         for s, k in zip(self.stores, keys):
             bound += s.bind(b, k)
         if self.keeps_rows and keep < t:  # a shape input, read on the host at capture; 0 (the default) keeps all
-            b.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))
+            value = np.array(keep, dtype=np.int64)
+            self._pinned.append(value)  # bound by pointer (see _keep): it must outlive the binding
+            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], value.ctypes.data)
         outs = {}
         for name in self._outputs:
             if name not in bound:

@@ -28,8 +28,9 @@ def _script(ctx_a, ctx_b, rng, vocab):
     worst = max(worst, rel_err(rb.logits, ra.logits))
     for _ in range(14):
         t = int(rng.integers(1, 4))
+        keep = int(rng.integers(1, t + 1))  # a drafter feeds two tokens and keeps one row; a verify keeps all
         toks = rng.integers(0, vocab, t).tolist()
-        ra, rb = ctx_a.forward(toks), ctx_b.forward(toks)
+        ra, rb = ctx_a.forward(toks, keep=keep), ctx_b.forward(toks, keep=keep)
         assert rb.ids.tolist() == ra.ids.tolist()
         worst = max(worst, rel_err(rb.logits, ra.logits))
         back = int(rng.integers(0, t + 1))
