@@ -75,11 +75,12 @@ class Generator:
         self._warned: set[str] = set()
         self._started = False
         self._text = _TextStream(target.tokenizer)
-        limit = target.manifest.max_context
+        # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
+        # calibration times forwards of up to W + 1 tokens after the prompt).
+        ctx_len = context or min(target.manifest.max_context, len(self.prompt) + max_new_tokens + self.window)
         if isinstance(drafter, Model):
             check_pair(target, drafter)
-            limit = min(limit, drafter.manifest.max_context)
-        ctx_len = context or min(limit, len(self.prompt) + max_new_tokens + self.window)
+            ctx_len = min(ctx_len, drafter.manifest.max_context)
         self.tctx = target_ctx or Context(target, ctx_len, mode=default_mode(target), window=self.window,
                                           poison=poison)
         self.dctx: Context | None = None
