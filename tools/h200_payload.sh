@@ -26,7 +26,7 @@ if [ ! -e $work/ort90.tar.xz ]; then
   python3 $repo/tools/ort_sm90.py $work/ort90/onnxruntime/capi/libonnxruntime_providers_cuda.so
   tar cf - -C $work/ort90 onnxruntime | xz -T2 -6 > $work/ort90.tar.xz.tmp && mv $work/ort90.tar.xz.tmp $work/ort90.tar.xz
 fi
-(cd $work && rm -f ort90.tar.xz.[0-9]* ort.tar.xz.[0-9]* && split -d -a 1 -b 46M ort90.tar.xz ort90.tar.xz. &&
+(cd $work && rm -f ort90.tar.xz.[0-9]* ort.tar.xz.[0-9]* && split -d -a 1 -b 47M ort90.tar.xz ort90.tar.xz. &&
  split -d -a 1 -n 4 ort.tar.xz ort.tar.xz.)
 cp $work/ort90.tar.xz.0 $out/c1/ && cp $work/ort90.tar.xz.1 $out/c2/
 for i in 0 1 2 3; do cp $work/ort.tar.xz.$i $out/f$((i + 1))/; done
