@@ -125,7 +125,7 @@ emitted() {  # mean tokens per round by k, from the pair-a bench: the acceptance
   py -c "import json; r = json.load(open('$B/res/pair-a-$1.json'))['rows']; print(','.join(f\"{x['k']}:{x['mean_emitted_per_round']:.4f}\" for x in r if x['k'] != 'auto' and x['rollback'] == 'auto'))" \
     > $B/res/pair-a-emitted.txt
 }
-tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider; }
+tests() { cd $B/tmp && timeout 360 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider; }
 
 track_cpu() {  # checkpoints one after the other; each size's exports and GGUFs beside the next checkpoint
   if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
@@ -161,6 +161,11 @@ track_gpu() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > $B/res/gpu.txt
   stage tests tests
   await pair || true
+  for g in 8 0; do  # pair-a's step costs with and without graphs (C(n), c, r), before its speculation bench
+    stage rs-pair-graph$g timeout 240 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 \
+      $B/src/benchmarks/realscale.py --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda \
+      --cuda-graph $g --label pair-a-graph$g --json $B/res/realscale-pair-a-graph$g.json
+  done
   stage pair-nograph pair_bench nograph 0 auto && emitted nograph
   stage pair-graph pair_bench graph 9 both
   [ -e $B/mark/pair-graph.ok ] && emitted graph
