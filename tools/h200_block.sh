@@ -122,7 +122,7 @@ pair_bench() {  # pair_bench NAME GRAPH ROLLBACK
     --max-new-tokens 128 --rollback $3 --json $B/res/pair-a-$1.json
 }
 emitted() {  # mean tokens per round by k, from the pair-a bench: the acceptance the real-shape predictions use
-  py -c "import json; r = json.load(open('$B/res/pair-a-$1.json'))['rows']; print(','.join(f\"{x['k']}:{x['mean_emitted_per_round']:.4f}\" for x in r if x['k'] != 'auto' and x['rollback'] == 'auto'))" \
+  py -c "import json; r = json.load(open('$B/res/pair-a-$1.json'))['configs']; print(','.join(f\"{x['k']}:{x['mean_emitted_per_round']:.4f}\" for x in r if x['k'] != 'auto' and x['rollback'] == 'auto'))" \
     > $B/res/pair-a-emitted.txt
 }
 tests() { cd $B/tmp && timeout 360 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider; }
@@ -213,6 +213,7 @@ case $cmd in
     [ -e $B/mark/src.ok ] || { [ -e $B/payload/src.tar ] && stage src install_src; }
     [ -d $B/payload/pair/target ] && touch $B/mark/pair.ok
     [ "$0" -ef $B/block.sh ] || cp "$0" $B/block.sh
+    cd $B  # the background tracks must not run in the carried folder: the next call's sync may remove it
     if [ ! -e $B/cpu-started ] && [ -e $B/mark/src.ok ]; then
       touch $B/cpu-started
       setsid bash $B/block.sh cpu > $B/logs/cpu.log 2>&1 < /dev/null &
@@ -222,7 +223,7 @@ case $cmd in
       setsid bash $B/block.sh gpu > $B/logs/gpu.log 2>&1 < /dev/null &
     fi
     log "started"; tail -4 $B/progress ;;
-  cpu|gpu) R=/mnt/ram; mountpoint -q $R || R=$B/ram; D=$B/exports; export R D; run_$cmd ;;
+  cpu|gpu) cd $B; R=/mnt/ram; mountpoint -q $R || R=$B/ram; D=$B/exports; export R D; run_$cmd ;;
   wait)
     end=$(( $(date +%s) + ${2:-60} ))
     n=0
