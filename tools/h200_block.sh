@@ -24,7 +24,7 @@
 set -uo pipefail
 B=${BLOCK_DIR:-/tmp/blk}
 cmd=${1:?start|wait|collect}
-DEADLINE=${DEADLINE:-1080}
+DEADLINE=${DEADLINE:-960}
 
 ts() { echo "$(( $(date +%s) - $(cat $B/t0 2>/dev/null || date +%s) ))s"; }
 log() { echo "[$(ts)] $*" | tee -a $B/progress; }
@@ -88,7 +88,10 @@ build_llama() {
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_SERVER=OFF && cmake --build build -j 12 --target llama-bench llama-quantize
 }
-ckpt() { py $B/src/benchmarks/checkpoints.py "$1" $R/ck/$1; }
+ckpt() {  # initialised on the GPU (minutes -> seconds); on the CPU if that fails
+  py $B/src/benchmarks/checkpoints.py "$1" $R/ck/$1 --device cuda ||
+    { rm -rf $R/ck/$1 $R/ck/$1.partial; py $B/src/benchmarks/checkpoints.py "$1" $R/ck/$1; }
+}
 export_one() {  # export_one SHAPE NAME EXTRA...
   local shape=$1 name=$2; shift 2
   py -m snapspec.tools.cli export $R/ck/$shape -o $D/$name --dtype fp16 "$@" --force
