@@ -106,9 +106,10 @@ gguf() {  # gguf SHAPE: F16 and Q4_0
   $B/llama/build/bin/llama-quantize $R/gg/$1-f16.gguf $R/gg/$1-q4_0.gguf Q4_0
 }
 memwatch() {  # memwatch FILE CMD...: run CMD while sampling device memory; the peak (MiB) goes to FILE
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > $1.samples 2>/dev/null &
-  local w=$!; shift; "$@"; local rc=$?; kill $w 2>/dev/null
-  sort -n $1.samples 2>/dev/null | tail -1 > $1; return $rc
+  local out=$1; shift
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > $out.samples 2>/dev/null &
+  local w=$!; "$@"; local rc=$?; kill $w 2>/dev/null
+  sort -n $out.samples 2>/dev/null | tail -1 > $out; return $rc
 }
 llama_bench() {  # llama_bench SHAPE TYPE
   local m=$R/gg/$1-$2.gguf
