@@ -34,7 +34,7 @@ class GpuMemory:
             pynvml.nvmlInit()
             self._h = pynvml.nvmlDeviceGetHandleByIndex(index)
             self._nvml = pynvml
-        except Exception:  # no NVML (no NVIDIA driver, or nvidia-ml-py missing): report nothing rather than guess
+        except Exception:  # noqa: BLE001  (no NVML: no NVIDIA driver or no nvidia-ml-py) report nothing, not a guess
             self._nvml = None
             return
         self.base = self._used()
@@ -115,7 +115,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import onnxruntime as ort
-
     from snapspec.runtime import Context, default_mode, load
     from snapspec.runtime.adaptive import measure_costs
 

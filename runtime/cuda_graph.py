@@ -27,8 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from snapspec import SnapspecError
-
 GRAPH_ID = "gpu_graph_id"
 
 

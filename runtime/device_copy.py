@@ -32,7 +32,7 @@ _CUDART_NAMES = ("cudart64_13.dll", "cudart64_12.dll") if sys.platform == "win32
 class Region:
     """A byte range of an OrtValue's buffer: the whole tensor, or `nbytes` from `offset`."""
 
-    __slots__ = ("value", "offset", "nbytes")
+    __slots__ = ("nbytes", "offset", "value")
 
     def __init__(self, value: ort.OrtValue, offset: int = 0, nbytes: int | None = None):
         self.value = value

@@ -12,10 +12,9 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-
 from snapspec.runtime import Context, default_mode, load
-from snapspec.runtime.device_copy import Copier, Region
 from snapspec.runtime.contract import rel_err
+from snapspec.runtime.device_copy import Copier, Region
 
 
 def _script(ctx_a, ctx_b, rng, vocab):

@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("library")
     p.add_argument("--arch", type=int, default=90)
     a = p.parse_args(argv)
-    data = bytearray(open(a.library, "rb").read())
+    with open(a.library, "rb") as f:
+        data = bytearray(f.read())
     offset, size = fatbin_section(a.library)
     zeroed = kept = whole = 0
     for images in entries(data, offset, offset + size):
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
             else:
                 data[at:at + n] = bytes(n)
                 zeroed += n
-    open(a.library, "wb").write(data)
+    with open(a.library, "wb") as f:
+        f.write(data)
     print(f"zeroed {zeroed / 1e6:.1f} MB of other architectures' images, kept {kept / 1e6:.1f} MB of sm_{a.arch}; "
           f"{whole} containers without sm_{a.arch} left whole")
     return 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from ..device_copy import Copier as DeviceCopy  # noqa: F401  (the stores' copier: device to device where possible)
+from ..device_copy import Copier as DeviceCopy  # the stores' copier: device to device where it can
 
 
 class Store:
@@ -97,7 +97,7 @@ class Zeros:
     a copy from a zero buffer of the same shape, made once and kept (a device copy may complete after the call
     returns, so its source must outlive it)."""
 
-    def __init__(self, device: str, copy: "DeviceCopy"):
+    def __init__(self, device: str, copy: DeviceCopy):
         self.device, self.copy = device, copy
         self.sources: dict = {}
 
