@@ -1,9 +1,9 @@
 """Fixed-shape forwards replayed as CUDA graphs (onnxruntime's `enable_cuda_graph` CUDA provider option).
 
 A session created with the option captures a run the first time it sees a `gpu_graph_id` (after one ordinary run
-that lets its allocator grow) and from then on replays the recorded kernels for that id, with no per-node host work:
-a 0.8B drafter step is ~500 kernel launches, which the host cannot issue as fast as the GPU runs them. Replay reads
-and writes the device addresses recorded at capture, so everything a captured step touches has a fixed address:
+that lets its allocator grow) and from then on replays the recorded kernels for that id, with no per-node host work
+(a Qwen3.5-0.8B step runs ~900 nodes: 9.2 ms issued one by one from the host on an H200, 2.3 ms replayed). Replay
+reads and writes the device addresses recorded at capture, so everything a captured step touches has a fixed address:
 
   token ids, positions, attention mask  one packed int64 device buffer per token count T, [ids(T) | pos(T) | mask],
             rewritten in place before each step (one host->device copy). The mask spans the whole context, ones up
