@@ -487,8 +487,13 @@ class Decoder:
         """rms_norm(y + h) over the last `logits_to_keep` positions: nothing after it needs the other rows."""
         g = self.fwd
         with g.scope("model/norm"):
-            start = g.op("Neg", [g.op("Reshape", [self.logits_to_keep, g.ints("keep_shape", [1])], "keep_1d")],
-                         "keep_start")
+            # start = max(T - keep, 0) mod T: 0 (every row) for keep = 0 or keep >= T, else T - keep. From Shape(h),
+            # so that onnxruntime's CUDA EP runs the chain on the host (a node that consumes a shape and small
+            # initializers falls back to CPU); computed from the initializer alone it ran on the GPU, and the copy to
+            # the host that Slice's starts then needed is a node that CUDA graph capture refuses.
+            rows = g.op("Gather", [g.op("Shape", [h], "Shape"), g.ints("seq_axis", [1])], "rows")
+            rest = g.op("Max", [g.op("Sub", [rows, self.logits_to_keep], "rest"), g.ints("zero", [0])], "rest_0")
+            start = g.op("Mod", [rest, rows], "keep_start")
             end, axis = g.ints("keep_end", [np.iinfo(np.int64).max]), g.ints("keep_axis", [1])
             y, h = (g.op("Slice", [t, start, end, axis], f"keep_{n}") for t, n in ((y, "mixer"), (h, "residual")))
             x, _ = g.skip_rms_norm(y, h, gamma, eps, "norm")

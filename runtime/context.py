@@ -7,6 +7,12 @@ rows only when asked (sampling). A graph with a `logits_to_keep` input computes 
 export computes every row and the host slices them. Prefill runs in chunks, so a long prompt never makes a
 [prompt, vocab] logits tensor. The attention mask is a view of one ones-buffer, bound by pointer.
 
+On a model loaded with `cuda_graph=N`, forwards of up to N tokens take the fixed-address path of cuda_graph.py
+(captured once per token count, kept rows and state binding, then replayed); the others run as usual with
+gpu_graph_id -1, and their device outputs (rollback data) go to buffers this context owns: an output onnxruntime
+allocated from the session's arena could sit where a captured graph keeps its intermediates, and a replay would
+overwrite it.
+
 The context records the tokens it consumed: `resume(prompt)` keeps the longest common prefix it can return to (a
 rollback within reach, else a reset), so a multi-turn session prefills only what is new.
 """
@@ -19,8 +25,10 @@ import numpy as np
 
 from snapspec import SnapspecError
 
+from .cuda_graph import SKIP, CapturedSteps, GraphSession
+from .device_copy import Copier
 from .model import Model
-from .state import DeviceCopy
+from .state import allocate
 from .state.checkpoint import Checkpoint
 from .state.kv import KVCache
 from .state.replay import ReplayState
@@ -46,10 +54,11 @@ class Rows:
 
 class Context:
     def __init__(self, model: Model, max_len: int | None = None, *, mode: str | None = None,
-                 window: int | None = None, poison: bool = False):
+                 window: int | None = None, poison: bool = False, graph_tokens: int | None = None):
         """mode: replay | ring | window for the recurrent state (default: the target's, `default_mode`; ignored by
         pure-attention models); window: W, the deepest bounded rollback. poison: buffers start NaN, so reading
-        state that was never written shows (tests)."""
+        state that was never written shows (tests). graph_tokens: forwards of up to this many tokens take the
+        fixed-address path (default: the model's cuda_graph; on CPU the path runs without capture, for tests)."""
         self.model = model
         m = model.manifest
         mode = mode or default_mode(model)
@@ -66,7 +75,7 @@ class Context:
             raise SnapspecError(f"{m.folder} has no replay graph; use ring or checkpoint rollback")
         self.window = int(window or m.rollback["window"])
         self.device = model.device
-        self.copy = DeviceCopy()
+        self.copy = Copier(self.device)
         # Not the KV buffers on a GPU: the CUDA attention kernel reads the whole buffer and masks by multiplying
         # (NaN * 0 = NaN).
         kv_fill = np.nan if poison and self.device == "cpu" else 0.0
@@ -98,6 +107,17 @@ class Context:
         # initializer (bind_cpu_input looks it up among the required inputs), not a pointer.
         self._keep = np.zeros((), dtype=np.int64)
         self._bindings: dict = {}
+        self._outputs = {o.name: o for o in model.session.get_outputs()}
+        self._extra: list[str] | None = None  # outputs no store binds (rollback data): bound per call
+        self.graph_tokens = model.graph_tokens if graph_tokens is None else int(graph_tokens)
+        self.steps = None
+        if self.graph_tokens:
+            if model.position_ids(0, 1) is None or model.position_ids(0, 1).ndim != 2:
+                raise SnapspecError("the fixed-address (CUDA graph) path needs a graph with [1, T] position_ids")
+            self.steps = CapturedSteps(model.graphs or GraphSession(model.session), self.device, self.max_len)
+        self._run_options = SKIP if model.graphs is not None else None
+        self._pinned: list = []  # host scalars that fixed-address bindings point to
+        self._scratch: dict = {}  # graph mode: per-call device outputs of ordinary runs, [1, T, ...], grown on demand
         self.reset()
 
     @property
@@ -135,6 +155,13 @@ class Context:
         if self.n_past + t > self.max_len:
             raise SnapspecError(f"context full: {self.n_past} + {t} tokens exceed the context of {self.max_len}")
         keys = tuple(s.key(self.n_past) for s in self.stores)
+        if self.steps is not None and t <= self.graph_tokens and self.steps.can_run((keys, t, keep)):
+            outs = self.steps.run((keys, t, keep), ids[0], self.n_past, lambda b: self._bind_fixed(b, keys, t, keep))
+            # Copies (a device read is one; on CPU, numpy() views a buffer that the next replay rewrites).
+            rows = outs["logits"].numpy()[0, -keep:].copy() if logits or not self.argmax_in_graph else None
+            best = outs["next_tokens"].numpy()[0, -keep:].copy() if self.argmax_in_graph else rows.argmax(axis=-1)
+            self._advance(keys, ids, outs)
+            return Rows(best, rows if logits else None)
         host_logits = logits or not self.argmax_in_graph
         b, order = self._binding(keys, host_logits)
         b.bind_cpu_input("input_ids", ids)
@@ -147,24 +174,32 @@ class Context:
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], self._keep.ctypes.data)
         # Outputs whose shape depends on the call are bound afresh, so each run allocates them (a returned view
         # of the last call's logits stays valid).
-        for s in self.stores:
-            s.bind_call(b)
+        for name in self._extra:
+            if self._run_options is not None:  # this session replays graphs: no arena-allocated outputs
+                dims, dt = self._output_shape(name, t, keep)
+                b.bind_output(name, self.device, 0, dt, dims, self._scratch_for(name, dims, dt).data_ptr())
+            else:
+                b.bind_output(name, self.device)
         if host_logits:
             b.bind_output("logits", "cpu")
         if self.argmax_in_graph:
             b.bind_output("next_tokens", "cpu")
-        self.model.session.run_with_iobinding(b)
+        self.model.session.run_with_iobinding(b, self._run_options)
         outs = dict(zip(order, b.get_outputs()))
-        for s, key in zip(self.stores, keys):
-            s.advanced(self.n_past, t, key, outs)
-        self.n_past += t
-        self.tokens.extend(ids[0].tolist())
+        self._advance(keys, ids, outs)
         rows = outs["logits"].numpy()[0, -keep:] if host_logits else None
         if self.argmax_in_graph:
             best = outs["next_tokens"].numpy()[0, -keep:]
         else:
             best = rows.argmax(axis=-1)
         return Rows(best, rows if logits else None)
+
+    def _advance(self, keys: tuple, ids: np.ndarray, outs: dict) -> None:
+        t = ids.shape[1]
+        for s, key in zip(self.stores, keys):
+            s.advanced(self.n_past, t, key, outs)
+        self.n_past += t
+        self.tokens.extend(ids[0].tolist())
 
     def prefill(self, tokens, chunk: int | None = None, logits: bool = True) -> Rows:
         """Consume tokens in forwards of at most `chunk` tokens; return the last row (its logits when asked)."""
@@ -192,6 +227,11 @@ class Context:
             order = []
             for s, k in zip(self.stores, keys):
                 order += s.bind(b, k)
+            if self._extra is None:
+                self._extra = [n for n in self._outputs if n not in order and n not in ("logits", "next_tokens")]
+            for name in self._extra:
+                b.bind_output(name, self.device)
+                order.append(name)
             if host_logits:
                 b.bind_output("logits", "cpu")  # sampling runs on the host: logits come back, state stays
                 order.append("logits")
@@ -200,6 +240,39 @@ class Context:
                 order.append("next_tokens")
             self._bindings[key] = (b, order)
         return self._bindings[key]
+
+    def _bind_fixed(self, b, keys: tuple, t: int, keep: int) -> dict:
+        """A fixed-address forward's binding, made once per key: the state where the stores keep it, every other
+        output in a buffer of its own (read back after each replay)."""
+        bound = []
+        for s, k in zip(self.stores, keys):
+            bound += s.bind(b, k)
+        if self.keeps_rows and keep < t:  # a shape input, read on the host at capture; 0 (the default) keeps all
+            value = np.array(keep, dtype=np.int64)
+            self._pinned.append(value)  # bound by pointer (see _keep): it must outlive the binding
+            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], value.ctypes.data)
+        outs = {}
+        for name in self._outputs:
+            if name not in bound:
+                dims, dt = self._output_shape(name, t, keep)
+                outs[name] = allocate(dims, dt, self.device, 0)
+                b.bind_ortvalue_output(name, outs[name])
+        return outs
+
+    def _output_shape(self, name: str, t: int, keep: int) -> tuple[list[int], type]:
+        """A graph output's shape for a call of t tokens keeping `keep` rows, from the graph's own dimensions."""
+        o = self._outputs[name]
+        sizes = {"batch": 1, "sequence": t, "kept": keep if self.keeps_rows else t}
+        dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
+        return dims, {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}[o.type]
+
+    def _scratch_for(self, name: str, dims: list[int], dt) -> object:
+        """A context-owned device buffer holding at least dims (grown, never shrunk)."""
+        need = int(np.prod(dims))
+        have = self._scratch.get(name)
+        if have is None or int(np.prod(have.shape())) < need:
+            self._scratch[name] = allocate([need], dt, self.device, 0)
+        return self._scratch[name]
 
     # -- rollback -------------------------------------------------------------------------------------------------
     def can_rollback(self, n: int) -> str | None:

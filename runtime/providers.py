@@ -62,9 +62,11 @@ def available() -> list[str]:
     return have
 
 
-def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[str, list[str] | None]:
+def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool,
+              cuda_graph: bool = False) -> tuple[str, list[str] | None]:
     """Put `opts` on `ep`. Returns (ep actually used, providers list for InferenceSession or None when the
-    device was added to the options). A missing provider is an error unless fallback is allowed."""
+    device was added to the options). A missing provider is an error unless fallback is allowed. cuda_graph: the
+    CUDA session captures and replays CUDA graphs (runtime/cuda_graph.py); CUDA only."""
     if ep not in PROVIDERS:
         raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
     if ep == "cpu":
@@ -81,7 +83,10 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[
                 ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when that is where they are
             # TF32 GEMMs (the CUDA EP's default on Ampere and later) make a multi-token verify disagree with
             # one-token steps at 1e-3, enough to flip greedy choices: full fp32 keeps the contract.
-            return ep, [(PROVIDERS[ep], {"use_tf32": "0"}), "CPUExecutionProvider"]
+            options = {"use_tf32": "0"}
+            if cuda_graph:
+                options["enable_cuda_graph"] = "1"
+            return ep, [(PROVIDERS[ep], options), "CPUExecutionProvider"]
         return ep, [PROVIDERS[ep], "CPUExecutionProvider"]
     have = ", ".join(available())
     hint = {"webgpu": "pip install 'snapspec[webgpu]' (and a Vulkan/Metal/D3D12 GPU driver)",

@@ -67,17 +67,24 @@ def test_stop_strings_decode_each_token_once(model, monkeypatch):
 
 
 def test_device_copy_verdict_is_per_context(monkeypatch):
-    """A provider without a device-to-device transfer (the built-in CUDA EP) sends its own copies through the host;
-    another context's device copies (WebGPU) stay on the device."""
+    """A copier whose provider registers no device-to-device transfer for onnxruntime.copy_tensors sends its own
+    copies through the host, and says so (kind); another context's copier still copies on the device. (CUDA copies
+    go through the CUDA runtime instead: tests/test_gpu.py checks them on a GPU.)"""
     import onnxruntime as ort
 
     class Value:
         def __init__(self, device):
             self.device, self.via_host = device, False
-            self.array = np.zeros(3, np.float32)
+            self.array = np.arange(3, dtype=np.float32) if device != "dst" else np.zeros(3, np.float32)
 
         def device_name(self):
-            return self.device
+            return "webgpu"
+
+        def shape(self):
+            return list(self.array.shape)
+
+        def data_type(self):
+            return "tensor(float)"
 
         def numpy(self):
             return self.array
@@ -87,15 +94,17 @@ def test_device_copy_verdict_is_per_context(monkeypatch):
             self.array[...] = array
 
     def copy_tensors(src, dst, stream):
-        if src[0].device == "cuda":
+        if src[0].device == "no-transfer":
             raise RuntimeError("no data transfer registered")
         dst[0].array[...] = src[0].array
 
     monkeypatch.setattr(ort, "copy_tensors", copy_tensors)
-    cuda_dst, webgpu_dst = Value("cuda"), Value("webgpu")
-    DeviceCopy()(Value("cuda"), cuda_dst)
-    DeviceCopy()(Value("webgpu"), webgpu_dst)
-    assert cuda_dst.via_host and not webgpu_dst.via_host
+    without, with_ = DeviceCopy("webgpu"), DeviceCopy("webgpu")
+    a, b = Value("dst"), Value("dst")
+    without(Value("no-transfer"), a)
+    with_(Value("transfer"), b)
+    assert a.via_host and not b.via_host and a.array.tolist() == b.array.tolist() == [0, 1, 2]
+    assert without.kind == "host" and with_.kind == "copy_tensors"
 
 
 def test_seconds_count_each_part_once(model, monkeypatch):

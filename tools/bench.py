@@ -137,6 +137,7 @@ def provenance(target, drafters, threads) -> dict:
             "providers": {key: m.providers_used() for key, m in keys.items()},
             "manifests": {key: m.manifest.digest() for key, m in keys.items()},
             "exports": {key: m.manifest.data["export"] for key, m in keys.items()},
+            "cuda_graph": {key: m.graph_tokens for key, m in keys.items()},
             "threads": threads, "cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0],
             "platform": platform.platform()}
 

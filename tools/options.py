@@ -44,6 +44,9 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="how the target rolls back recurrent state: window (CUDA; picks one of the last W states "
                         "of the state-window graph) or replay; auto = window on CUDA when the export has that "
                         "graph, else replay")
+    p.add_argument("--cuda-graph", type=positive_int, default=0, metavar="N",
+                   help="CUDA: replay forwards of up to N tokens from CUDA graphs captured on first use (1: decode "
+                        "steps; 2: a drafter's steps too; 9: verify forwards of k <= 8 too; default 0: off)")
     p.add_argument("--drafter-threads", type=positive_int, default=None,
                    help="intra-op threads for the drafter (default: --threads if given, else as for the target: 1 "
                         "for a small drafter)")
@@ -188,7 +191,7 @@ def load_drafters(args, target_dir, drafter_dirs):
         check_range(n_min, n_max)  # before loading anything
     t_threads = args.threads if args.threads is not None else default_threads(target_dir)
     target = load(target_dir, args.ep, allow_fallback=args.allow_fallback, threads=t_threads,
-                  recurrent=getattr(args, "recurrent_rollback", "auto"))
+                  recurrent=getattr(args, "recurrent_rollback", "auto"), cuda_graph=getattr(args, "cuda_graph", 0))
     args.threads_used = {"target": t_threads or "onnxruntime default"}
     return target, [NgramDrafter(target.vocab_size, n_min, n_max) if d == NGRAM else _load_drafter(args, d)
                     for d in drafter_dirs]
@@ -201,7 +204,7 @@ def _load_drafter(args, drafter_dir):
     d_threads = d_threads if d_threads is not None else default_threads(drafter_dir)
     try:
         drafter = load(drafter_dir, args.ep, allow_fallback=args.allow_fallback, threads=d_threads, spin=False,
-                       role="drafter")
+                       role="drafter", cuda_graph=getattr(args, "cuda_graph", 0))
     except SnapspecError as exc:
         raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
     args.threads_used["drafter"] = d_threads or "onnxruntime default"

@@ -10,11 +10,11 @@ position, the tokens and the forward call. The interface, in the order a forward
   key(n_past)                  which buffers the next forward reads and writes (hashable: the context keeps one
                                IOBinding per combination of its stores' keys, made once)
   bind(binding, key)           bind them; returns the output names bound, in binding order
-  bind_call(binding)           outputs whose shape depends on the call, bound afresh every call
   advanced(start, t, key, outputs)   bookkeeping after a forward of t tokens from position start
   reach(pos) / rollback(pos)   the rollback mode that returns to pos (None: out of reach), and doing it
   positions()                  every position reach() accepts (None: any)
-  live(n_past) / restored(pos, memo)  the buffers a checkpoint copies, and the bookkeeping once they are copied back
+  live(n_past) / restored(pos, memo)  the byte regions a checkpoint copies ({name: device_copy.Region}), and the
+                               bookkeeping once they are copied back
   snapshot(n_past)             host copies of the state at n_past (tests, conformance)
   reset()                      position 0: empty (zero) state
   nbytes                       bytes of buffers held
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime as ort
+
+from ..device_copy import Copier as DeviceCopy  # the stores' copier: device to device where it can
 
 
 class Store:
@@ -40,9 +42,6 @@ class Store:
 
     def bind(self, binding: ort.IOBinding, key) -> list[str]:
         raise NotImplementedError
-
-    def bind_call(self, binding: ort.IOBinding) -> None:
-        pass
 
     def advanced(self, start: int, t: int, key, outputs: dict) -> None:
         pass
@@ -98,7 +97,7 @@ class Zeros:
     a copy from a zero buffer of the same shape, made once and kept (a device copy may complete after the call
     returns, so its source must outlive it)."""
 
-    def __init__(self, device: str, copy: "DeviceCopy"):
+    def __init__(self, device: str, copy: DeviceCopy):
         self.device, self.copy = device, copy
         self.sources: dict = {}
 
@@ -110,27 +109,6 @@ class Zeros:
             if name not in self.sources:
                 self.sources[name] = allocate(value.shape(), value_dtype(value), self.device, 0.0)
             self.copy(self.sources[name], value)
-
-
-class DeviceCopy:
-    """dst <- src in place. Device to device where onnxruntime registers a data transfer for the device (the plugin
-    EPs, WebGPU); the built-in CUDA EP registers none, so there it goes through the host. Each context keeps its own
-    verdict: a provider without a device transfer must not send another provider's copies through the host."""
-
-    def __init__(self):
-        self.on_device = True
-
-    def __call__(self, src: ort.OrtValue, dst: ort.OrtValue) -> None:
-        if src.device_name() == "cpu" and dst.device_name() == "cpu":
-            np.copyto(dst.numpy(), src.numpy())
-            return
-        if self.on_device:
-            try:
-                ort.copy_tensors([src], [dst], None)
-                return
-            except RuntimeError:
-                self.on_device = False
-        dst.update_inplace(src.numpy())
 
 
 def bind_prefix(binding: ort.IOBinding, name: str, value: ort.OrtValue, j: int, device: str) -> None:

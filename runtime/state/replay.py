@@ -42,14 +42,6 @@ class ReplayState(SlotState):
         super().reset()
         self._last = None
 
-    def bind(self, binding, key) -> list[str]:
-        names = super().bind(binding, key)
-        binding.bind_output("rollback_data", self.device)
-        return names + ["rollback_data"]
-
-    def bind_call(self, binding) -> None:
-        binding.bind_output("rollback_data", self.device)  # [1, T, width]: allocated by each run
-
     def advanced(self, start: int, t: int, key, outputs: dict) -> None:
         self._last = _Forward(start, t, key[0], key[1], outputs["rollback_data"])
         super().advanced(start, t, key, outputs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..device_copy import Region
 from . import DeviceCopy, Store, Zeros, allocate, dtype, host_array, shape
 
 
@@ -55,7 +56,7 @@ class SlotState(Store):
         return {p for p in self.slot_pos if p is not None}
 
     def live(self, n_past: int):
-        return self.slots[self.cur], self.cur
+        return {name: Region(v) for name, v in self.slots[self.cur].items()}, self.cur
 
     def restored(self, pos: int, memo) -> None:
         self.cur = memo

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import DeviceCopy, Store, Zeros, allocate, dtype, host_array, shape
+from ..device_copy import Region
+from . import DeviceCopy, Store, Zeros, allocate, dtype, host_array, nbytes, shape
 
 
 class WindowState(Store):
@@ -65,9 +66,14 @@ class WindowState(Store):
         return set(self.states)
 
     def live(self, n_past: int):
-        """A checkpoint copies the whole arena that holds the state, so the state comes back where it was."""
+        """A checkpoint copies the one state it needs, and restores it where it was: the next forward reads only
+        that state of its input window."""
         state = self.states[n_past]
-        return self.slots[state[0]], state
+        regions = {}
+        for name, value in self.slots[state[0]].items():
+            size = nbytes(value) // (2 * self.window - 1)
+            regions[name] = Region(value, state[1] * size, size)
+        return regions, state
 
     def restored(self, pos: int, memo) -> None:
         self.cur = memo[0]
