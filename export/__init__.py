@@ -182,27 +182,33 @@ def _progress(weights: Weights, data: list[DataFile], log):
     if log is None or not sys.stderr.isatty():
         yield
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TimeRemainingColumn)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     ckpt = weights.ckpt
     sizes = {n: ckpt.nbytes(n) for n in weights.to_read()}
+    total = sum(sizes.values())
     seen: dict[str, int] = {}
-    state = {"tensors": 0}
-    columns = (TextColumn("exporting"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[tensors]}"),
-               TextColumn("written {task.fields[written]}"), TimeElapsedColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=True) as bar:
-        task = bar.add_task("export", total=sum(sizes.values()), tensors=f"0/{len(sizes)} tensors", written="0 B")
+    done = {"tensors": 0, "bytes": 0}
+
+    def info() -> str:
+        return (f"{_size(done['bytes'])}/{_size(total)} read, {done['tensors']}/{len(sizes)} tensors, "
+                f"{_size(sum(d.size for d in data))} out")
+
+    columns = (TextColumn("exporting"), BarColumn(bar_width=12), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("export", total=total, info=info())
 
         def on_read(name: str, nbytes: int) -> None:
             size = sizes.get(name, 0)
             before = seen.get(name, 0)
             now = min(size, before + nbytes)
             seen[name] = now
+            done["bytes"] += now - before
             if now == size and before < size:
-                state["tensors"] += 1
-            bar.update(task, advance=now - before, tensors=f"{state['tensors']}/{len(sizes)} tensors",
-                       written=_size(sum(d.size for d in data)))
+                done["tensors"] += 1
+            bar.update(task, completed=done["bytes"], info=info())
 
         ckpt.on_read = on_read
         try:

@@ -11,8 +11,9 @@ holding it whole: each block of source rows becomes a block of columns, scattere
 The transposes run in onnxruntime (its Transpose kernel is 4-5x faster than NumPy's strided copy, measured on 32 MB
 blocks); the cast to the export dtype stays in NumPy, before it, so the numbers are NumPy's.
 
-The file's sha256 is computed while it is written, by a thread that hashes each finished stretch of the file (from
-the page cache) while the main thread builds the next tensors; the manifest takes the digest from `sha256()`.
+The file's sha256 is computed while it is written, by a thread that hashes each block as it is appended (and reads
+back the stretch a scattered tensor filled) while the main thread builds the next tensors; the manifest takes the
+digest from `sha256()`.
 """
 
 from __future__ import annotations
@@ -53,32 +54,45 @@ class DataFile:
         if self._f is None:
             self._f = open(self.path, "wb", buffering=0)  # noqa: SIM115 (closed by close())
             self._hasher = _Hasher(self.path)
+        if isinstance(value, Lazy) and value.dtype != dtype:
+            value = value.astype(dtype)  # cast at the leaves: concatenations and transposes then move fewer bytes
+        self._hasher.feed(bytes(offset - self.size))
         if isinstance(value, Transposed):
+            self._f.seek(offset)
             self._scatter_transposed(value.source, dtype, offset)
         else:
             self._f.seek(offset)  # past the end: the gap reads as zeros
             for _, _, block in _blocks(value):
-                _write_all(self._f, memoryview(np.ascontiguousarray(block, dtype=dtype)).cast("B"))
+                self._write(np.ascontiguousarray(block, dtype=dtype))
         self.size = offset + length
         self.tensors += 1
-        self._hasher.hash_to(self.size)
         if self.on_write is not None:
             self.on_write(length)
         return offset, length
 
+    def _write(self, arr: np.ndarray) -> None:
+        """Append arr at the file position and hand it to the hash thread (which holds it until hashed)."""
+        data = memoryview(arr).cast("B")
+        _write_all(self._f, data)
+        self._hasher.feed(data)
+
     def _scatter_transposed(self, source: Lazy, dtype: np.dtype, offset: int) -> None:
-        """Write source.T (source: (N, K)) at offset: column block a:b of the output comes from source rows a:b."""
+        """Write source.T (source: (N, K)) at offset: column block a:b of the output comes from source rows a:b.
+        Blocks are large here (TRANSPOSE_BYTES): a block that covers the whole tensor is one contiguous write,
+        and the scattered writes of a bigger tensor (an output projection) stay long."""
         n, k = source.shape
         item = dtype.itemsize
-        for a, b, block in source.blocks():
+        blocks = source.blocks(lazy.TRANSPOSE_BYTES)
+        for a, b, block in blocks:
             cols = transpose(block, dtype)  # (K, b - a)
-            if a == 0 and b == n:  # the whole tensor in one block: one contiguous write
-                self._f.seek(offset)
-                _write_all(self._f, memoryview(cols).cast("B"))
-                continue
+            if a == 0 and b == n:
+                self._write(cols)
+                return
             for row in range(k):
                 self._f.seek(offset + (row * n + a) * item)
                 _write_all(self._f, memoryview(cols[row]).cast("B"))
+        self._f.seek(offset + n * k * item)
+        self._hasher.read_to(offset + n * k * item)  # scattered: hashed from the file once complete
 
     def close(self) -> None:
         """Close the file (kept: an exception path calls this too); the hash thread finishes in sha256()."""
@@ -96,49 +110,68 @@ class DataFile:
         """Stop the hash thread without a digest (the export failed)."""
         self.close()
         if self._hasher is not None:
-            self._hasher.finish()
+            self._hasher.finish(check=False)
             self._hasher = None
 
 
 class _Hasher:
-    """sha256 of a file that grows by appends, computed by a thread up to the offsets it is given."""
+    """sha256 of a file being appended to, by a thread: fed the bytes as they are written (kept alive by the
+    queue, which is bounded so that a slow hash holds the writer back rather than piling up blocks), or told to
+    read a finished stretch back from the file (after scattered writes)."""
 
     def __init__(self, path: Path):
         self._path = path
-        self._todo: queue.Queue = queue.Queue()
+        self._todo: queue.Queue = queue.Queue(maxsize=4)
         self._hash = hashlib.sha256()
         self._error: BaseException | None = None
         self._digest: str | None = None
+        self._done = 0
         self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
         self._thread.start()
 
-    def hash_to(self, end: int) -> None:
+    def feed(self, data) -> None:
+        """Hash `data` (bytes or a byte memoryview) in 8 MiB slices: the bounded queue then holds at most one
+        large buffer alive beside the one being written."""
+        for i in range(0, len(data), 8 << 20):
+            self._todo.put(data[i:i + (8 << 20)])
+
+    def read_to(self, end: int) -> None:
         self._todo.put(end)
 
-    def finish(self) -> str:
-        if self._digest is None:
+    def finish(self, check: bool = True) -> str | None:
+        if self._digest is None and self._thread.is_alive():
             self._todo.put(None)
             self._thread.join()
-            if self._error is not None:
-                raise self._error
+        if self._error is not None and check:
+            raise self._error
+        if self._digest is None:
             self._digest = self._hash.hexdigest()
         return self._digest
 
     def _run(self) -> None:
-        done = 0
+        f = None
         try:
-            with open(self._path, "rb", buffering=0) as f:
-                while (end := self._todo.get()) is not None:
-                    while done < end:
-                        chunk = f.read(min(end - done, 8 << 20))
+            while (item := self._todo.get()) is not None:
+                if isinstance(item, int):
+                    if f is None:
+                        f = open(self._path, "rb", buffering=0)  # noqa: SIM115 (closed below)
+                    f.seek(self._done)
+                    while self._done < item:
+                        chunk = f.read(min(item - self._done, 8 << 20))
                         if not chunk:
                             raise OSError(f"{self._path} is shorter than written")
                         self._hash.update(chunk)
-                        done += len(chunk)
+                        self._done += len(chunk)
+                else:
+                    self._hash.update(item)
+                    self._done += len(item)
         except BaseException as exc:  # reported by finish()
             self._error = exc
             while self._todo.get() is not None:  # drain until finish()
                 pass
+        finally:
+            if f is not None:
+                f.close()
 
 
 def transpose(block: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -180,7 +180,8 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
     emb = model.get_input_embeddings()
     emb.weight = torch.nn.Parameter(emb.weight.detach().clone())
     # Qwen3.5 MoE's router always renormalises (its config has no norm_topk_prob).
-    renormalises = model.config.model_type == "qwen3_5_moe" or getattr(model.config, "norm_topk_prob", True)
+    renormalises = lambda: (model.config.model_type == "qwen3_5_moe"  # noqa: E731
+                            or getattr(model.config, "norm_topk_prob", True))
 
     def rt(w: torch.Tensor) -> torch.Tensor:
         a = w.float().numpy()
@@ -189,7 +190,7 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.in_features % block_size == 0:
             module.weight.copy_(rt(module.weight))
-        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and renormalises:
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and renormalises():
             hidden, inter = module.down_proj.shape[1:]
             if hidden % block_size == 0 and inter % block_size == 0:
                 for p in (module.gate_up_proj, module.down_proj):

@@ -107,6 +107,7 @@ def test_lazy_weights_write_in_blocks_and_compute_the_same(tmp_path, monkeypatch
     block by column block; int4 quantizes block by block) equal the same graph built from NumPy arrays in memory;
     one initializer (a tied table) feeds a Gather and a MatMul."""
     monkeypatch.setattr(lazy, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(lazy, "TRANSPOSE_BYTES", 4096)
     from onnx import TensorProto
 
     rng = np.random.default_rng(0)
@@ -186,3 +187,28 @@ def test_quantize_int4_bit_exact_with_reference(k, block):
     np.testing.assert_array_equal(np.asarray(got[0]), np.stack([p.reshape(350, -1) for p, _, _ in per_expert]))
     np.testing.assert_array_equal(np.asarray(got[1]), np.stack([s.reshape(350, -1) for _, s, _ in per_expert]))
     np.testing.assert_array_equal(np.asarray(got[2]), np.stack([z.reshape(350, -1) for _, _, z in per_expert]))
+
+
+def test_forward_window_and_replay_graphs_point_into_their_data_files(tiny_export):
+    """The graphs hold references only: every external initializer of model_window.onnx is one of model.onnx's
+    (same file, offset, length), each graph's references stay inside its data file and end at its end, and onnx
+    reads every tensor back."""
+    folder = tiny_export("qwen3_5_text")
+
+    def refs(name: str) -> dict:
+        model = onnx.load(str(folder / name), load_external_data=False)
+        out = {}
+        for t in model.graph.initializer:
+            assert not (t.data_location == onnx.TensorProto.EXTERNAL and t.raw_data), t.name
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                out[t.name] = {e.key: e.value for e in t.external_data}
+        return out
+
+    fwd, win, rep = refs("model.onnx"), refs("model_window.onnx"), refs("replay.onnx")
+    assert win and all(fwd[n] == r for n, r in win.items())
+    for refs_, data in ((fwd, "model.onnx.data"), (rep, "replay.onnx.data")):
+        size = (folder / data).stat().st_size
+        assert {r["location"] for r in refs_.values()} == {data}
+        assert max(int(r["offset"]) + int(r["length"]) for r in refs_.values()) == size
+    loaded = onnx.load(str(folder / "model.onnx"))  # reads every external tensor back, checking its length
+    assert all(onnx.numpy_helper.to_array(t).size == np.prod(t.dims) for t in loaded.graph.initializer)
