@@ -67,7 +67,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     spec = module.spec(ckpt.config)
     ctx = int(max_context or min(spec.max_positions, 32768))
     weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
-    dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"))
+    level = int4_accuracy_level(dtype, moe=any(getattr(spec, "moe_layers", ())))
+    dec = Decoder(Graph("forward", dtype, quant, block_size, level), Graph("replay", dtype, "none"))
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
     with _progress(ckpt, weights, log):
@@ -94,7 +95,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
                 shutil.copyfile(hf_dir / name, tmp / name)
         shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
         data = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                              state_window)
+                              state_window, level)
         # Derived from the manifest's data, written first so that the manifest checksums it too.
         genai_config.write(tmp, data, num_attention_heads=getattr(spec, "heads", None))
         result = manifest.write(tmp, data)
@@ -111,6 +112,15 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         raise
     log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s, peak memory {_peak_mb():.0f} MB")
     return manifest.Manifest(out_dir, result.data)
+
+
+def int4_accuracy_level(dtype: str, moe: bool = False) -> int:
+    """MatMulNBits accuracy level, chosen by measurement (BENCHMARKS.md, "int4 on CPU"): 4 for float32 exports, the
+    CPU path (int8 activations: 2-4x faster, and its k-row results equal its one-row results bit for bit at block
+    sizes 16 and 32, which greedy speculation needs); 1 for float16 exports, which run on GPU providers whose
+    level-4 paths are not verified here, and for mixture-of-experts models, whose QMoE rows round differently in a
+    k-row call (each expert sees another number of rows), a difference int8 activations would amplify."""
+    return 4 if dtype == "float32" and not moe else 1
 
 
 def _clean_leftovers(out_dir: Path, log) -> None:
@@ -172,7 +182,7 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
 
 
 def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                   state_window) -> dict:
+                   state_window, level) -> dict:
     cfg = ckpt.config
     gen = {}
     gen_path = ckpt.folder / "generation_config.json"
@@ -183,15 +193,19 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
     eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
     recurrent = any(s.role in ("conv", "recurrent") for s in dec.state)
     # logits_to_keep: the forward takes `logits_to_keep` (default 0: every row) and also returns `next_tokens`.
+    # spare_kv_row: attention writes one junk key/value row past the sequence when the KV buffer has room for it
+    # (blocks.Decoder._spare_row); a buffer of context + 1 rows keeps k-token forwards bitwise equal to one-token
+    # forwards up to the last position.
+    heads = {"logits_to_keep": True, "spare_kv_row": any(s.role.startswith("kv") for s in dec.state)}
     graphs = {"forward": {"file": "model.onnx", "inputs": [i.name for i in dec.fwd.inputs],
-                          "outputs": [o.name for o in dec.fwd.outputs], "logits_to_keep": True}}
+                          "outputs": [o.name for o in dec.fwd.outputs], **heads}}
     if has_replay:
         graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
                             "outputs": [o.name for o in dec.replay.outputs]}
     if state_window:
         graphs["forward_window"] = {"file": window.FILE, "inputs": graphs["forward"]["inputs"],
                                     "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],
-                                    "logits_to_keep": True}
+                                    **heads}
     return {
         "model": {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures", []),
                   "layers": spec.layers, "layer_kinds": spec.layer_kinds, "hidden_size": spec.hidden,
@@ -205,6 +219,7 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
         "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": rollback_window,
                      "state_window": state_window},
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
+                   "int4_accuracy_level": level if quant == "int4" else None,
                    "int4_note": "embedding table stored in float16; output projection quantized (int4)" if quant == "int4"
                    else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,

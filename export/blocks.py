@@ -54,6 +54,18 @@ class RollbackEntry:
 
 
 @dataclass
+class _Spare:
+    """Tensor names of the spare attention row (Decoder._spare_row)."""
+
+    start: str  # [1] int64: the last token's row
+    end: str  # [1] int64: start + (1 if the KV buffer has a free row else 0)
+    rows: str  # [1] int64: the call's token count
+    axis: str  # [1] int64: the sequence axis
+    seqlens_k: str  # [batch] int32, GroupQueryAttention's, counting the spare row
+    total_len: str  # scalar int32, likewise
+
+
+@dataclass
 class Decoder:
     """The forward graph and the replay graph of one model, built side by side."""
 
@@ -123,9 +135,13 @@ class Decoder:
         past_v = g.input(f"past_key_values.{layer}.value", g.onnx_dtype, ["batch", kv_heads, "context", hd])
         # present.* are named directly (no Identity): the runtime binds them to the past buffers.
         pk, pv = f"present.{layer}.key", f"present.{layer}.value"
-        out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, self.seqlens_k, self.total_len],
+        spare = self._spare_row(past_k)
+        q, k, v = (g.op("Concat", [t, g.op("Slice", [t, spare.start, spare.end, spare.axis], f"spare_{n}")],
+                        f"with_spare_{n}", axis=1) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, spare.seqlens_k, spare.total_len],
                    "GroupQueryAttention", n_out=3, domain=MS, num_heads=heads, kv_num_heads=kv_heads,
                    outputs=[g._unique(g._path("GroupQueryAttention") + "/output_0"), pk, pv])[0]
+        out = g.op("Slice", [out, g.ints("drop_spare/start", [0]), spare.rows, spare.axis], "drop_spare")
         for past, name, role in ((past_k, pk, "key"), (past_v, pv, "value")):
             g.output(name, name, g.onnx_dtype, ["batch", kv_heads, "context", hd])
             self.state.append(StateEntry(past, name, f"kv_{role}", layer, ["batch", kv_heads, "context", hd],
@@ -133,6 +149,34 @@ class Decoder:
         if gate_w is not None:
             out = g.op("Mul", [out, g.op("Sigmoid", [parts[3]], "gate_sigmoid")], "gate_mul")
         return g.linear(out, o_w, "o_proj", bias=o_bias)
+
+    def _spare_row(self, past_key: str) -> "_Spare":
+        """One spare query row for GroupQueryAttention (a copy of the call's last row, its key and value written
+        just past the sequence, never read), whenever the KV buffer has a free row after the call.
+
+        Why: onnxruntime's CPU kernel multiplies a one-row call through a GEMV path that rounds differently from
+        its multi-row path, so a one-token step and the same row of a verify forward differed (~3e-7). With a
+        spare row every call takes the multi-row path and the rows agree bit for bit; int4 exports at accuracy
+        level 4 (int8 activations, where a 1e-7 change can move a rounding step) need that for greedy
+        speculation to equal plain decoding. A buffer with no free row runs without it (only its last position).
+        Built once per graph: row counts from input_ids, the first KV buffer and the attention mask."""
+        if getattr(self, "_spare", None) is None:
+            g = self.fwd
+            with g.scope("model/spare_row"):
+                t = g.op("Gather", [g.op("Shape", [self.input_ids], "tokens/Shape"), g.ints("axis1", 1)], "tokens")
+                cap = g.op("Gather", [g.op("Shape", [past_key], "rows/Shape"), g.ints("axis2", 2)], "rows")
+                width = g.op("Gather", [g.op("Shape", [self.attention_mask], "total/Shape"), g.ints("axis1b", 1)],
+                             "total")
+                n = g.op("Min", [g.ints("one", 1), g.op("Sub", [cap, width], "free")], "count")
+                last = g.op("Sub", [t, g.ints("one_b", 1)], "last")
+                n32 = g.op("Cast", [n], "count_i32", to=I32)
+                self._spare = _Spare(
+                    start=g.reshape(last, [1], "start"),
+                    end=g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end"),
+                    rows=g.reshape(t, [1], "rows_1d"), axis=g.ints("axis", [1]),
+                    seqlens_k=g.op("Add", [self.seqlens_k, n32], "seqlens_k"),
+                    total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"))
+        return self._spare
 
     def rotary_cache(self, rotary_dim: int, theta: float, max_positions: int) -> tuple[str, str, int]:
         inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))

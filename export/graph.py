@@ -23,8 +23,11 @@ _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Te
 
 
 class Graph:
-    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32):
+    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32,
+                 accuracy_level: int = 4):
+        """accuracy_level: MatMulNBits' (4: the CPU kernel quantizes activations to int8 per block; 1: float32)."""
         self.name = name
+        self.accuracy_level = accuracy_level
         self.np_dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
         self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
         self.quant = quant
@@ -112,7 +115,7 @@ class Graph:
                 y = self.op("MatMulNBits", [x, self.const("weight_q4", packed), self.const("scales", scales),
                                             self.const("zero_points", zeros)],
                             "MatMulNBits", domain=MS, K=k, N=n, bits=4, block_size=self.block_size,
-                            accuracy_level=1)
+                            accuracy_level=self.accuracy_level)
             else:
                 y = self.op("MatMul", [x, self.const("weight", np.ascontiguousarray(weight.T))], "MatMul")
             if bias is not None:
