@@ -220,8 +220,9 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
                      "state_window": state_window},
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
                    "int4_accuracy_level": level if quant == "int4" else None,
-                   "int4_note": "embedding table stored in float16; output projection quantized (int4)" if quant == "int4"
-                   else None},
+                   "int4_note": "embedding table int4 (GatherBlockQuantized; a tied output projection reads the same "
+                   "bytes) when the hidden size is a multiple of the block size, else float16; output projection int4"
+                   if quant == "int4" else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
                      "python": sys.version.split()[0]},
         "source": {"folder_name": ckpt.folder.name, "config_sha256": manifest.sha256_file(ckpt.folder / "config.json")},

@@ -387,10 +387,28 @@ class Decoder:
 
     # -- head -------------------------------------------------------------------------------------------------------
     def embed(self, table: np.ndarray) -> str:
-        """Token embedding. Under int4 the table is stored in float16 (half the bytes, exact for bf16 checkpoints'
-        values in float16 range) and the gathered rows are cast to the export dtype."""
+        """Token embedding. Under int4 (hidden a multiple of the block size) the table is quantized like a linear
+        weight and read by com.microsoft GatherBlockQuantized straight from the MatMulNBits layout, so a tied
+        output projection reuses its bytes (`logits`): the table is stored once, in int4. Otherwise float16 under
+        int4 (exact for bf16 checkpoints' values in float16 range), else the export dtype."""
         g = self.fwd
+        self._embed_q4 = None
+        n, k = table.shape
         with g.scope("model/embed_tokens"):
+            if g.quantizes(k):
+                packed, scales, zeros = quantize_int4(table, g.block_size)
+                kb = k // g.block_size
+                # GatherBlockQuantized wants scales and zero points of the data's rank, (N, kb, 1) for blocks of
+                # the last axis, one zero point per byte (low nibble); MatMulNBits takes (N * kb) and packed pairs.
+                # Those two small tensors are stored twice; the int4 data once.
+                per_block = np.stack([zeros & 0x0F, zeros >> 4], axis=-1).reshape(n, -1)[:, :kb]
+                data = g.const("weight_q4", packed)
+                rows = g.op("GatherBlockQuantized", [data, self.input_ids, g.const("scales", scales.reshape(n, kb, 1)),
+                                                      g.const("zero_points", per_block.reshape(n, kb, 1))],
+                            "GatherBlockQuantized", domain=MS, gather_axis=0, quantize_axis=2,
+                            block_size=g.block_size, bits=4)
+                self._embed_q4 = (data, packed, scales, zeros)
+                return g.reshape(rows, [0, 0, k], "rows")
             if g.quant == "int4":
                 rows = g.op("Gather", [g.const("weight", table.astype(np.float16), keep_dtype=True), self.input_ids],
                             "Gather")
@@ -412,12 +430,26 @@ class Decoder:
         """`logits` [batch, kept, vocab] float32 and `next_tokens` [batch, kept] int64, their argmax."""
         g = self.fwd
         with g.scope("lm_head"):
-            y = g.linear(x, lm_head, "proj")
+            y = self._tied_int4(x, lm_head) or g.linear(x, lm_head, "proj")
             if g.onnx_dtype != F32:
                 y = g.op("Cast", [y], "Cast", to=F32)
             best = g.op("ArgMax", [y], "ArgMax", axis=-1, keepdims=0, select_last_index=0)
         g.output(best, "next_tokens", I64, ["batch", "kept"])
         return g.output(y, "logits", F32, ["batch", "kept", lm_head.shape[0]])
+
+    def _tied_int4(self, x: str, lm_head: np.ndarray) -> str | None:
+        """The output projection on the int4 embedding's bytes, when it quantizes to the very same blocks (a tied
+        head); None otherwise."""
+        q4 = getattr(self, "_embed_q4", None)
+        if q4 is None or lm_head.shape[1] % self.fwd.block_size:
+            return None
+        data, packed, scales, zeros = q4
+        mine = quantize_int4(lm_head, self.fwd.block_size)
+        if not all(np.array_equal(a, b) for a, b in zip(mine, (packed, scales, zeros))):
+            return None
+        g = self.fwd
+        with g.scope("proj"):
+            return g.matmul_nbits(x, data, g.const("scales", scales), g.const("zero_points", zeros), *lm_head.shape)
 
     def table(self) -> dict:
         packed = None

@@ -110,17 +110,24 @@ class Graph:
         """x @ weight.T (+ bias); weight is (out_features, in_features)."""
         n, k = weight.shape
         with self.scope(leaf):
-            if self.quant == "int4" and k % self.block_size == 0 and k >= self.block_size:
+            if self.quantizes(k):
                 packed, scales, zeros = quantize_int4(weight, self.block_size)
-                y = self.op("MatMulNBits", [x, self.const("weight_q4", packed), self.const("scales", scales),
-                                            self.const("zero_points", zeros)],
-                            "MatMulNBits", domain=MS, K=k, N=n, bits=4, block_size=self.block_size,
-                            accuracy_level=self.accuracy_level)
+                y = self.matmul_nbits(x, self.const("weight_q4", packed), self.const("scales", scales),
+                                      self.const("zero_points", zeros), n, k)
             else:
                 y = self.op("MatMul", [x, self.const("weight", np.ascontiguousarray(weight.T))], "MatMul")
             if bias is not None:
                 y = self.op("Add", [y, self.const("bias", bias)], "Add")
         return y
+
+    def quantizes(self, in_features: int) -> bool:
+        """Whether int4 quantization applies to a weight with this many input features (whole blocks only)."""
+        return self.quant == "int4" and in_features % self.block_size == 0 and in_features >= self.block_size
+
+    def matmul_nbits(self, x: str, packed: str, scales: str, zeros: str, n: int, k: int) -> str:
+        """x @ W.T for an int4 W (N, K) stored as MatMulNBits initializers (export/quant.py layout)."""
+        return self.op("MatMulNBits", [x, packed, scales, zeros], "MatMulNBits", domain=MS, K=k, N=n, bits=4,
+                       block_size=self.block_size, accuracy_level=self.accuracy_level)
 
     def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str) -> str:
         """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w)."""

@@ -222,6 +222,23 @@ def test_int4(model_type, ort_model, tiny_model):
     assert agree >= 0.7, f"int4 top-1 agreement with dequantized transformers {agree:.2f} < 0.7"
 
 
+@pytest.mark.parametrize("model_type, tied", [("qwen3_5_text", True), ("qwen3_5", False)])
+def test_int4_embedding_shares_the_tied_head(model_type, tied, ort_model):
+    """int4: the embedding is GatherBlockQuantized; with tied embeddings it reads the output projection's own
+    MatMulNBits data (one initializer, no float table); untied, it has its own int4 table."""
+    import onnx
+
+    o = ort_model(model_type, quant="int4", block_size=16)
+    g = onnx.load(str(o.manifest.graph_path("forward")), load_external_data=False).graph
+    gather = [n for n in g.node if n.op_type == "GatherBlockQuantized"]
+    head = [n for n in g.node if n.op_type == "MatMulNBits" and n.name.startswith("/lm_head/")]
+    assert len(gather) == 1 and len(head) == 1 and not [n for n in g.node if n.op_type == "Gather"
+                                                          and n.name.startswith("/model/embed_tokens")]
+    assert (gather[0].input[0] == head[0].input[1]) == tied
+    sizes = {t.name: np.prod(t.dims) for t in g.initializer}
+    assert max(sizes.values()) <= VOCAB * 96 // 2, "a table larger than int4 remains"
+
+
 VARIANTS = [("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
             ("lfm2", dict(conv_bias=True, tie_word_embeddings=False)),
             ("qwen3_next", dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[]))]
