@@ -106,6 +106,16 @@ class Dist:
         return int(i if self.ids is None else self.ids[i])
 
 
+def as_dist(q) -> Dist:
+    """A drafter's q as a Dist: model drafters give Dists (pick), other draft sources may give a dense row of
+    probabilities (a deterministic draft: a one-hot row)."""
+    if isinstance(q, Dist):
+        return q
+    row = np.asarray(q, dtype=np.float32)
+    ids = np.flatnonzero(row)
+    return Dist(ids, row[ids], int(row.shape[-1]))
+
+
 def distribution(row: np.ndarray, p: SamplingParams) -> Dist:
     """`probs` on the support only, in float32 up to the final normalisation (see the module docstring)."""
     z = np.asarray(row, dtype=np.float32) * np.float32(1.0 / p.temperature)
@@ -183,6 +193,7 @@ def accept(draft: list[int], q: list[Dist | None], target_rows: np.ndarray, p: S
         while j < k and draft[j] == int(best[j]):
             j += 1
         return j, int(best[j])
+    q = [as_dist(qi) for qi in q]
     for i in range(k):
         pt = distribution(target_rows[i], p)
         d = draft[i]

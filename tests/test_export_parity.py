@@ -9,6 +9,7 @@ fp16 and int4 exports have their own, looser tolerances, each explained where it
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,10 @@ def test_int4_multi_token_equals_single_bitwise(model_type, ort_model):
     kernels make this hold; without the spare row the first attention layer differed by ~3e-7 and int8 rounding
     downstream turned that into logit differences of ~0.1 (BENCHMARKS.md, "int4 on CPU")."""
     o, ids = ort_model(model_type, quant="int4", block_size=16), tokens(PREFIX + 9, 2)
-    if model_type == "qwen3_next":  # QMoE: each expert's rows round differently in a k-row call
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(o.manifest.graph_path("forward")), load_external_data=False).graph.node}
+    if ops & {"MoE", "QMoE"}:  # each expert's rows round differently in a k-row call
         assert o.manifest.data["export"]["int4_accuracy_level"] == 1
         pytest.skip("mixture-of-experts exports keep float32 activations (accuracy level 1): not bitwise")
     assert o.manifest.data["export"]["int4_accuracy_level"] == 4
@@ -241,13 +245,25 @@ def test_int4_embedding_shares_the_tied_head(model_type, tied, ort_model):
 
 VARIANTS = [("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
             ("lfm2", dict(conv_bias=True, tie_word_embeddings=False)),
-            ("qwen3_next", dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[]))]
+            ("qwen3_next", dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])),
+            # dense Granite-4.0-H with RoPE and biases; time-step limits that clip (transformers clips in its
+            # multi-token path only, so this case runs no one-token forward)
+            ("granitemoehybrid", dict(num_local_experts=0, position_embedding_type="rope", attention_bias=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                      mamba_proj_bias=True, mamba_conv_bias=False, mamba_n_groups=1,
+                                      time_step_limit=(0.3, 1.5))),
+            ("nemotron_h", dict(n_group=1, topk_group=1, norm_topk_prob=False, moe_latent_size=40, mlp_bias=True,
+                                use_bias=True, use_conv_bias=False)),
+            ("falcon_h1", dict(mamba_rms_norm=False, attention_bias=True, mlp_bias=True, projectors_bias=True,
+                               mamba_proj_bias=True, tie_word_embeddings=True)),
+            ("falcon_h1", dict(mamba_norm_before_gate=False, mamba_n_groups=1, mamba_conv_bias=False))]
 
 
 @pytest.mark.parametrize("model_type, overrides", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_config_variants(model_type, overrides, tiny_model, tmp_path):
     """Config switches the default tiny models leave off: biases, tied or untied heads, unnormalised MoE routing,
-    a sparse step that makes every other layer dense."""
+    a sparse step that makes every other layer dense, dense or RoPE Mamba2 hybrids, Nemotron-H's latent experts and
+    single routing group, Falcon-H1 without the Mamba2 norm or gating before it."""
     from snapspec.export import export
 
     from tiny import load_hf
@@ -296,3 +312,58 @@ def test_pair_a_matches_transformers(role, tmp_path):
         expected = np.concatenate([h.forward(ids[:split]), h.forward(ids[split:])], axis=1)[0]
         assert_close(f"pair-a {role} prompt {i} ({len(ids)} tokens): logits", run_sequence(o, ids, split),
                      expected, RTOL)
+
+
+def _legacy_nemotron_h(config: dict, tensors: dict) -> tuple[dict, dict]:
+    """NVIDIA's own layout: `backbone.` prefix, experts one by one, the pattern string and legacy key names."""
+    pattern = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+    legacy = dict(hybrid_override_pattern="".join(pattern[t] for t in config["layers_block_type"]),
+                  mamba_n_groups=config["n_groups"], mamba_d_conv=config["conv_kernel"])
+    config = {k: v for k, v in config.items() if k not in ("layers_block_type", "n_groups", "conv_kernel")}
+    config.update(legacy)
+    out = {}
+    for name, t in tensors.items():
+        name = name.replace("model.", "backbone.", 1)
+        if name.endswith(("experts.up_proj", "experts.down_proj")):
+            for j, e in enumerate(t):
+                out[f"{name.rsplit('.', 1)[0]}.{j}.{name.rsplit('.', 1)[1]}.weight"] = e
+        else:
+            out[name] = t
+    return config, out
+
+
+def _legacy_granite(config: dict, tensors: dict) -> tuple[dict, dict]:
+    """Older Granite-4.0-H checkpoints: "mamba" / "attention" layer kinds, input_linear / output_linear experts."""
+    config = dict(config, layer_types=[{"linear_attention": "mamba", "full_attention": "attention"}[t]
+                                       for t in config["layer_types"]])
+    rename = {"experts.gate_up_proj": "input_linear.weight", "experts.down_proj": "output_linear.weight",
+              "router.weight": "router.layer.weight"}
+    out = {}
+    for name, t in tensors.items():
+        for new, old in rename.items():
+            name = name.replace(f"block_sparse_moe.{new}", f"block_sparse_moe.{old}")
+        out[name] = t
+    return config, out
+
+
+@pytest.mark.parametrize("model_type", ["granitemoehybrid", "nemotron_h"])
+def test_legacy_checkpoint_layouts(model_type, tiny_model, ort_model, tmp_path):
+    """The same weights in the older config and tensor naming the published checkpoints use export to the same
+    model: logits and states equal to the current layout's export."""
+    from safetensors.numpy import load_file, save_file
+
+    from snapspec.export import export
+
+    src = tiny_model(model_type)
+    config = json.loads((src / "config.json").read_text())
+    convert = _legacy_granite if model_type == "granitemoehybrid" else _legacy_nemotron_h
+    config, tensors = convert(config, load_file(src / "model.safetensors"))
+    legacy = tmp_path / "legacy"
+    shutil.copytree(src, legacy)
+    (legacy / "config.json").write_text(json.dumps(config))
+    save_file(tensors, legacy / "model.safetensors")
+    export(legacy, tmp_path / "out", log=lambda *a: None)
+    o, current, ids = OrtModel(tmp_path / "out", context=CONTEXT), ort_model(model_type), tokens(12, 7)
+    a, b = o.forward(o.initial_state(), ids, 0), current.forward(current.initial_state(), ids, 0)
+    assert_close("legacy layout logits", a.logits, b.logits, 1e-6)
+    compare_states(a.state, o.written(b.state, 12), o.entries, 12, 1e-6, "legacy layout: ")
