@@ -76,6 +76,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
                             "needs") from None
     ctx = int(max_context or min(spec.max_positions, 32768))
     weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
+    level = int4_accuracy_level(dtype)
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
 
@@ -83,12 +84,13 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
     data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
     try:
-        dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0]),
+        dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0], accuracy_level=level),
                       Graph("replay", dtype, "none", data=data[1]))
         with _progress(weights, data, log):
             module.build(dec, weights, spec, ctx)
         dec.finish()
         weights.check_covered()
+        level = _experts_keep_float32(dec.fwd, level)
         for d in data:
             d.close()
         digests = {d.path.name: d.sha256() for d in data}
@@ -111,7 +113,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
         skipped = weights.skipped()
         info = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                              state_window, copied, skipped)
+                              state_window, copied, skipped, level)
         # Derived from the manifest's data, written first so that the manifest checksums it too.
         genai_config.write(tmp, info, num_attention_heads=getattr(spec, "heads", None))
         result = manifest.write(tmp, info,
@@ -137,6 +139,28 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s ({_size(data[0].size)} of weights), "
         f"peak memory {_peak_mb():.0f} MB")
     return manifest.Manifest(out_dir, result.data)
+
+
+def int4_accuracy_level(dtype: str) -> int:
+    """MatMulNBits accuracy level, chosen by measurement (BENCHMARKS.md, "int4 on CPU"): 4 for float32 exports, the
+    CPU path (int8 activations: 2-4x faster, and its k-row results equal its one-row results bit for bit at block
+    sizes 16 and 32, which greedy speculation needs); 1 for float16 exports, which run on GPU providers whose
+    level-4 paths are not verified here."""
+    return 4 if dtype == "float32" else 1
+
+
+def _experts_keep_float32(g: Graph, level: int) -> int:
+    """Level 1 for every MatMulNBits of a graph with MoE / QMoE nodes: an expert's rows round differently in a
+    k-row call than in a one-row call (each expert sees another number of rows), and int8 activations downstream
+    would amplify that into logit differences. Returns the level the graph now has."""
+    if level == 1 or not any(n.op_type in ("MoE", "QMoE") for n in g.nodes):
+        return level
+    for node in g.nodes:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 1
+    return 1
 
 
 def _clean_leftovers(out_dir: Path, log) -> None:
@@ -230,7 +254,7 @@ def _size(nbytes: int) -> str:
 
 
 def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                   state_window, copied, skipped) -> dict:
+                   state_window, copied, skipped, level) -> dict:
     cfg = ckpt.config
     gen = {}
     gen_path = ckpt.folder / "generation_config.json"
@@ -240,15 +264,19 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
     eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
     recurrent = any(s.role in ("conv", "recurrent") for s in dec.state)
     # logits_to_keep: the forward takes `logits_to_keep` (default 0: every row) and also returns `next_tokens`.
+    # spare_kv_row: attention writes one junk key/value row past the sequence when the KV buffer has room for it
+    # (blocks.Decoder._spare_row); a buffer of context + 1 rows keeps k-token forwards bitwise equal to one-token
+    # forwards up to the last position.
+    heads = {"logits_to_keep": True, "spare_kv_row": any(s.role.startswith("kv") for s in dec.state)}
     graphs = {"forward": {"file": "model.onnx", "inputs": [i.name for i in dec.fwd.inputs],
-                          "outputs": [o.name for o in dec.fwd.outputs], "logits_to_keep": True}}
+                          "outputs": [o.name for o in dec.fwd.outputs], **heads}}
     if has_replay:
         graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
                             "outputs": [o.name for o in dec.replay.outputs]}
     if state_window:
         graphs["forward_window"] = {"file": window.FILE, "inputs": graphs["forward"]["inputs"],
                                     "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],
-                                    "logits_to_keep": True}
+                                    **heads}
     return {
         "model": {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures", []),
                   "layers": spec.layers, "layer_kinds": spec.layer_kinds, "hidden_size": spec.hidden,
@@ -262,8 +290,10 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
         "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": rollback_window,
                      "state_window": state_window},
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
-                   "int4_note": "embedding table stored in float16; output projection quantized (int4)" if quant == "int4"
-                   else None},
+                   "int4_accuracy_level": level if quant == "int4" else None,
+                   "int4_note": "embedding table int4 (GatherBlockQuantized; a tied output projection reads the same "
+                   "bytes) when the hidden size is a multiple of the block size, else float16; output projection int4"
+                   if quant == "int4" else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
                      "python": sys.version.split()[0]},
         # tokenizer.vocab_size may be below model.vocab_size (a table padded past the tokenizer): such ids decode

@@ -29,8 +29,8 @@ from onnx import TensorProto
 from snapspec import SnapspecError
 
 from .graph import MS, Graph
-from .lazy import combine, concat
-from .quant import quantize_int4_stacked
+from .lazy import Deferred, combine, concat, is_lazy
+from .quant import quantize_int4, quantize_int4_stacked
 
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -55,6 +55,18 @@ class RollbackEntry:
     layer: int
     offset: int
     width: int
+
+
+@dataclass
+class _Spare:
+    """Tensor names of the spare attention row (Decoder._spare_row)."""
+
+    start: str  # [1] int64: the last token's row
+    end: str  # [1] int64: start + (1 if the KV buffer has a free row else 0)
+    rows: str  # [1] int64: the call's token count
+    axis: str  # [1] int64: the sequence axis
+    seqlens_k: str  # [batch] int32, GroupQueryAttention's, counting the spare row
+    total_len: str  # scalar int32, likewise
 
 
 @dataclass
@@ -133,10 +145,14 @@ class Decoder:
         past_v = g.input(f"past_key_values.{layer}.value", g.onnx_dtype, ["batch", kv_heads, "context", hd])
         # present.* are named directly (no Identity): the runtime binds them to the past buffers.
         pk, pv = f"present.{layer}.key", f"present.{layer}.value"
-        out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, self.seqlens_k, self.total_len],
+        spare = self._spare_row(past_k)
+        q, k, v = (g.op("Concat", [t, g.op("Slice", [t, spare.start, spare.end, spare.axis], f"spare_{n}")],
+                        f"with_spare_{n}", axis=1) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, spare.seqlens_k, spare.total_len],
                    "GroupQueryAttention", n_out=3, domain=MS, num_heads=heads, kv_num_heads=kv_heads,
                    **({"scale": float(scale)} if scale is not None else {}),
                    outputs=[g._unique(g._path("GroupQueryAttention") + "/output_0"), pk, pv])[0]
+        out = g.op("Slice", [out, g.ints("drop_spare/start", [0]), spare.rows, spare.axis], "drop_spare")
         for past, name, role in ((past_k, pk, "key"), (past_v, pv, "value")):
             g.output(name, name, g.onnx_dtype, ["batch", kv_heads, "context", hd])
             self.state.append(StateEntry(past, name, f"kv_{role}", layer, ["batch", kv_heads, "context", hd],
@@ -144,6 +160,34 @@ class Decoder:
         if gate_w is not None:
             out = g.op("Mul", [out, g.op("Sigmoid", [parts[3]], "gate_sigmoid")], "gate_mul")
         return g.linear(out, o_w, "o_proj", bias=o_bias)
+
+    def _spare_row(self, past_key: str) -> "_Spare":
+        """One spare query row for GroupQueryAttention (a copy of the call's last row, its key and value written
+        just past the sequence, never read), whenever the KV buffer has a free row after the call.
+
+        Why: onnxruntime's CPU kernel multiplies a one-row call through a GEMV path that rounds differently from
+        its multi-row path, so a one-token step and the same row of a verify forward differed (~3e-7). With a
+        spare row every call takes the multi-row path and the rows agree bit for bit; int4 exports at accuracy
+        level 4 (int8 activations, where a 1e-7 change can move a rounding step) need that for greedy
+        speculation to equal plain decoding. A buffer with no free row runs without it (only its last position).
+        Built once per graph: row counts from input_ids, the first KV buffer and the attention mask."""
+        if getattr(self, "_spare", None) is None:
+            g = self.fwd
+            with g.scope("model/spare_row"):
+                t = g.op("Gather", [g.op("Shape", [self.input_ids], "tokens/Shape"), g.ints("axis1", 1)], "tokens")
+                cap = g.op("Gather", [g.op("Shape", [past_key], "rows/Shape"), g.ints("axis2", 2)], "rows")
+                width = g.op("Gather", [g.op("Shape", [self.attention_mask], "total/Shape"), g.ints("axis1b", 1)],
+                             "total")
+                n = g.op("Min", [g.ints("one", 1), g.op("Sub", [cap, width], "free")], "count")
+                last = g.op("Sub", [t, g.ints("one_b", 1)], "last")
+                n32 = g.op("Cast", [n], "count_i32", to=I32)
+                self._spare = _Spare(
+                    start=g.reshape(last, [1], "start"),
+                    end=g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end"),
+                    rows=g.reshape(t, [1], "rows_1d"), axis=g.ints("axis", [1]),
+                    seqlens_k=g.op("Add", [self.seqlens_k, n32], "seqlens_k"),
+                    total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"))
+        return self._spare
 
     def rotary_cache(self, rotary_dim: int, theta: float, max_positions: int) -> tuple[str, str, int]:
         inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
@@ -210,8 +254,8 @@ class Decoder:
 
         beta = g.op("Sigmoid", [b], "beta")
         decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
-                             g.op("Softplus", [g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add")],
-                                  "Softplus")], "decay")
+                             _softplus(g, g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add"), v_heads,
+                                       "Softplus")], "decay")
         q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim, eps)
         for value, kind, width in ((mixed, "conv_input", conv_dim), (k, "key", v_heads * k_dim),
                                    (v, "value", v_heads * v_dim), (decay, "decay", v_heads), (beta, "beta", v_heads)):
@@ -336,7 +380,7 @@ class Decoder:
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
         conv_out = self._causal_conv(g, xbc, g.const("conv1d/weight", conv_weight), past_conv, present_conv, "silu",
                                      bias=g.const("conv1d/bias", conv_b) if conv_b is not None else "")
-        dt = g.op("Softplus", [g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add")], "dt_softplus")
+        dt = _softplus(g, g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add"), heads, "dt_softplus")
         lo, hi = dt_limit
         if lo > 0.0 or hi != float("inf"):
             dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
@@ -473,10 +517,27 @@ class Decoder:
 
     # -- head -------------------------------------------------------------------------------------------------------
     def embed(self, table: np.ndarray) -> str:
-        """Token embedding. Under int4 the table is stored in float16 (half the bytes, exact for bf16 checkpoints'
-        values in float16 range) and the gathered rows are cast to the export dtype."""
+        """Token embedding. Under int4 (hidden a multiple of the block size) the table is quantized like a linear
+        weight and read by com.microsoft GatherBlockQuantized straight from the MatMulNBits layout, so a tied
+        output projection reuses its bytes (`logits`): the table is stored once, in int4. Otherwise float16 under
+        int4 (exact for bf16 checkpoints' values in float16 range), else the export dtype."""
         g = self.fwd
+        self._embed_q4 = None
+        n, k = table.shape
         with g.scope("model/embed_tokens"):
+            if g.quantizes(k):
+                packed, scales, zeros = quantize_int4(table, g.block_size)
+                kb = k // g.block_size
+                # GatherBlockQuantized wants scales and zero points of the data's rank, (N, kb, 1) for blocks of
+                # the last axis, one zero point per byte (low nibble); MatMulNBits takes (N * kb) and packed pairs.
+                # Those two small tensors are stored twice; the int4 data once.
+                data = g.const("weight_q4", packed)  # written first: the scales and zero points come with it
+                rows = g.op("GatherBlockQuantized", [data, self.input_ids, g.const("scales", scales.reshape(n, kb, 1)),
+                                                      g.const("zero_points", _one_zero_per_byte(zeros, n, kb))],
+                            "GatherBlockQuantized", domain=MS, gather_axis=0, quantize_axis=2,
+                            block_size=g.block_size, bits=4)
+                self._embed_q4 = (table, data, scales, zeros)
+                return g.reshape(rows, [0, 0, k], "rows")
             if g.quant == "int4":
                 rows = g.op("Gather", [g.const("weight", table.astype(np.float16), keep_dtype=True), self.input_ids],
                             "Gather")
@@ -503,12 +564,22 @@ class Decoder:
         """`logits` [batch, kept, vocab] float32 and `next_tokens` [batch, kept] int64, their argmax."""
         g = self.fwd
         with g.scope("lm_head"):
-            y = g.linear(x, lm_head, "proj")
+            y = self._tied_int4(x, lm_head) or g.linear(x, lm_head, "proj")
             if g.onnx_dtype != F32:
                 y = g.op("Cast", [y], "Cast", to=F32)
             best = g.op("ArgMax", [y], "ArgMax", axis=-1, keepdims=0, select_last_index=0)
         g.output(best, "next_tokens", I64, ["batch", "kept"])
         return g.output(y, "logits", F32, ["batch", "kept", lm_head.shape[0]])
+
+    def _tied_int4(self, x: str, lm_head) -> str | None:
+        """The output projection on the int4 embedding's bytes when both are one tensor (a tied head), else None."""
+        q4 = getattr(self, "_embed_q4", None)
+        if q4 is None or not _same_tensor(q4[0], lm_head):
+            return None
+        _, data, scales, zeros = q4
+        g = self.fwd
+        with g.scope("proj"):
+            return g.matmul_nbits(x, data, g.const("scales", scales), g.const("zero_points", zeros), *lm_head.shape)
 
     def table(self) -> dict:
         packed = None
@@ -516,3 +587,36 @@ class Decoder:
             packed = {"name": "rollback_data", "shape": ["batch", "sequence", sum(r.width for r in self.rollback)],
                       "dtype": self.dtype_name, "slices": [asdict(r) for r in self.rollback]}
         return {"state": [asdict(s) for s in self.state], "rollback_data": packed}
+
+
+def _softplus(g: Graph, x: str, width: int, leaf: str) -> str:
+    """Softplus of [batch, tokens, width] whose value per element does not depend on the call's token count.
+
+    onnxruntime's CPU kernel computes the last n % 4 values of a buffer with a scalar formula that rounds
+    differently from its vector one, so the same value gave another result in a one-token step than in a row of
+    a k-token forward. Rows padded to a multiple of 16 keep every value on the vector path."""
+    pad = -width % 16
+    if not pad:
+        return g.op("Softplus", [x], leaf)
+    padded = g.op("Pad", [x, g.ints(f"{leaf}/pads", [0, 0, 0, 0, 0, pad])], f"{leaf}/pad")
+    return g.op("Slice", [g.op("Softplus", [padded], leaf), g.ints(f"{leaf}/start", [0]), g.ints(f"{leaf}/end", [width]),
+                          g.ints(f"{leaf}/axis", [2])], f"{leaf}/unpad")
+
+
+def _same_tensor(a, b) -> bool:
+    """Whether two weights are one checkpoint tensor (a tied head): the same name for the exporter's lazy tensors,
+    equal values for in-memory arrays."""
+    if is_lazy(a) or is_lazy(b):
+        return getattr(a, "name", None) is not None and getattr(a, "name", None) == getattr(b, "name", None)
+    return a.shape == b.shape and np.array_equal(a, b)
+
+
+def _one_zero_per_byte(zeros, n: int, kb: int):
+    """MatMulNBits' zero points (two per byte) as GatherBlockQuantized's (n, kb, 1), one per byte (low nibble);
+    deferred like the packed zero points it is computed from."""
+    def unpack(z: np.ndarray) -> np.ndarray:
+        return np.stack([z & 0x0F, z >> 4], axis=-1).reshape(n, -1)[:, :kb].reshape(n, kb, 1)
+
+    if isinstance(zeros, Deferred):
+        return Deferred(lambda: unpack(zeros.value()), (n, kb, 1), np.uint8)
+    return unpack(np.asarray(zeros))

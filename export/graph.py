@@ -32,11 +32,13 @@ INLINE_BYTES = 1024  # smaller initializers stay in the graph proto (as onnx's s
 
 class Graph:
     def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32,
-                 data: DataFile | None = None):
+                 data: DataFile | None = None, accuracy_level: int = 4):
         """data: the external-data file initializers are streamed to (its name is their location, so it must
-        lie beside the graph file)."""
+        lie beside the graph file). accuracy_level: MatMulNBits' (4: the CPU kernel quantizes activations to int8
+        per block; 1: float32)."""
         self.name = name
         self.data = data
+        self.accuracy_level = accuracy_level
         self.np_dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
         self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
         self.quant = quant
@@ -129,17 +131,24 @@ class Graph:
         """x @ weight.T (+ bias); weight is (out_features, in_features)."""
         n, k = weight.shape
         with self.scope(leaf):
-            if self.quant == "int4" and k % self.block_size == 0 and k >= self.block_size:
+            if self.quantizes(k):
                 packed, scales, zeros = quantize_int4(weight, self.block_size)
-                y = self.op("MatMulNBits", [x, self.const("weight_q4", packed), self.const("scales", scales),
-                                            self.const("zero_points", zeros)],
-                            "MatMulNBits", domain=MS, K=k, N=n, bits=4, block_size=self.block_size,
-                            accuracy_level=1)
+                y = self.matmul_nbits(x, self.const("weight_q4", packed), self.const("scales", scales),
+                                      self.const("zero_points", zeros), n, k)
             else:
                 y = self.op("MatMul", [x, self.const("weight", weight.T)], "MatMul")
             if bias is not None:
                 y = self.op("Add", [y, self.const("bias", bias)], "Add")
         return y
+
+    def quantizes(self, in_features: int) -> bool:
+        """Whether int4 quantization applies to a weight with this many input features (whole blocks only)."""
+        return self.quant == "int4" and in_features % self.block_size == 0 and in_features >= self.block_size
+
+    def matmul_nbits(self, x: str, packed: str, scales: str, zeros: str, n: int, k: int) -> str:
+        """x @ W.T for an int4 W (N, K) stored as MatMulNBits initializers (export/quant.py layout)."""
+        return self.op("MatMulNBits", [x, packed, scales, zeros], "MatMulNBits", domain=MS, K=k, N=n, bits=4,
+                       block_size=self.block_size, accuracy_level=self.accuracy_level)
 
     def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str) -> str:
         """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w)."""

@@ -172,7 +172,8 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
     """Replace, in place, every weight the int4 export quantizes by its dequantized value (export/quant.py).
 
     That is: every nn.Linear whose in_features is a multiple of the block size (the tied output projection too,
-    so the input embedding is untied first), and MoE expert tensors when hidden and expert widths both are and the
+    so the input embedding is untied first), the input embedding under the same condition (quantized by rows, as
+    the output projection), and MoE expert tensors when hidden and expert widths both are and the
     router renormalises its top-k (the conditions under which Decoder.moe uses QMoE; Granite's router always does).
     Nemotron-H's squared-ReLU experts run as two plain linears over all experts (export/arch/nemotron_h.py): each
     expert's up projection is quantized when its input width is a multiple of the block size, and the down
@@ -187,6 +188,8 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
         a = w.float().numpy()
         return torch.from_numpy(dequantize_int4(*quantize_int4(a, block_size), a.shape[1]))
 
+    if emb.weight.shape[1] % block_size == 0:
+        emb.weight.copy_(rt(emb.weight))
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.in_features % block_size == 0:
             module.weight.copy_(rt(module.weight))
