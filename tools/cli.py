@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=positive_int, default=None, help="rollback window for the memory estimate")
     p.add_argument("--json", action="store_true")
 
-    from . import bench, conformance, demo, doctor  # noqa: E402  (subcommands that register their own flags)
-    for module in (bench, conformance, demo, doctor):
+    from . import bench, browser_check, conformance, demo, doctor, web  # noqa: E402  (they register their own flags)
+    for module in (bench, conformance, demo, doctor, web, browser_check):
         module.add_parser(sub, add_runtime_flags)
     return parser
 
@@ -176,7 +176,8 @@ def _lazy(module: str, func: str):
 
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "info": cmd_info,
             "bench": _lazy("bench", "run"), "conformance": _lazy("conformance", "run"), "demo": _lazy("demo", "run"),
-            "doctor": _lazy("doctor", "run")}
+            "doctor": _lazy("doctor", "run"), "web": _lazy("web", "run"),
+            "browser-check": _lazy("browser_check", "run")}
 
 if __name__ == "__main__":
     sys.exit(main())
