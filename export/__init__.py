@@ -31,12 +31,15 @@ DEFAULT_WINDOW = 8
 
 def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int = 32,
            rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
-           log=print) -> manifest.Manifest:
+           embedding_dtype: str | None = None, log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
     dtype: float32 | float16 (activations and weights; recurrent state stays float32).
     quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table is stored in
            float16, the output projection is quantized even when tied).
+    embedding_dtype: float16 | float32, how the token embedding table is stored (default: float16 under int4,
+           else the export dtype). float32 with int4 gives a graph with no float16 tensor, which WebGPU adapters
+           without shader-f16 (SwiftShader, some older GPUs) need in the browser.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
@@ -47,6 +50,10 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     dtype = {"fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
     if dtype not in ("float32", "float16"):
         raise SnapspecError(f"unsupported dtype {dtype!r}: use fp32 or fp16")
+    embedding_dtype = {"fp32": "float32", "fp16": "float16"}.get(embedding_dtype, embedding_dtype)
+    if embedding_dtype not in (None, "float32", "float16"):
+        raise SnapspecError(f"unsupported embedding dtype {embedding_dtype!r}: use fp32 or fp16")
+    embedding_dtype = embedding_dtype or ("float16" if quant == "int4" else dtype)
     if quant not in ("none", "int4"):
         raise SnapspecError(f"unsupported quantization {quant!r}: use none or int4")
     if block_size not in (16, 32, 64, 128, 256):
@@ -67,7 +74,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     spec = module.spec(ckpt.config)
     ctx = int(max_context or min(spec.max_positions, 32768))
     weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
-    dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"))
+    dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"),
+                  embedding_dtype=embedding_dtype)
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
     with _progress(ckpt, weights, log):
@@ -203,8 +211,9 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
         "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": rollback_window,
                      "state_window": state_window},
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
-                   "int4_note": "embedding table stored in float16; output projection quantized (int4)" if quant == "int4"
-                   else None},
+                   "embedding_dtype": dec.embedding_dtype,
+                   "int4_note": f"embedding table stored in {dec.embedding_dtype}; output projection quantized (int4)"
+                   if quant == "int4" else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
                      "python": sys.version.split()[0]},
         "source": {"folder_name": ckpt.folder.name, "config_sha256": manifest.sha256_file(ckpt.folder / "config.json")},

@@ -57,6 +57,7 @@ class Decoder:
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
     _rollback_values: list[str] = field(default_factory=list)
+    embedding_dtype: str | None = None  # the token embedding table's storage: float16 | float32 (None: the graph's)
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def token_inputs(self):
@@ -335,14 +336,16 @@ class Decoder:
 
     # -- head -------------------------------------------------------------------------------------------------------
     def embed(self, table: np.ndarray) -> str:
-        """Token embedding. Under int4 the table is stored in float16 (half the bytes, exact for bf16 checkpoints'
-        values in float16 range) and the gathered rows are cast to the export dtype."""
+        """Token embedding. A table stored in another dtype than the graph's (export's default under int4: float16,
+        half the bytes, exact for bf16 checkpoints' values in float16 range) is gathered, then the rows are cast."""
         g = self.fwd
+        stored = np.dtype(np.float16 if self.embedding_dtype == "float16" else np.float32) \
+            if self.embedding_dtype else g.np_dtype
         with g.scope("model/embed_tokens"):
-            if g.quant == "int4":
-                rows = g.op("Gather", [g.const("weight", table.astype(np.float16), keep_dtype=True), self.input_ids],
+            if stored != g.np_dtype:
+                rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
-                return g.op("Cast", [rows], "Cast", to=g.onnx_dtype) if g.onnx_dtype != TensorProto.FLOAT16 else rows
+                return g.op("Cast", [rows], "Cast", to=g.onnx_dtype)
             return g.op("Gather", [g.const("weight", table), self.input_ids], "Gather")
 
     def logits(self, h: str, lm_head: np.ndarray) -> str:

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
     p.add_argument("--quant", choices=["none", "int4"], default="none")
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32)
+    p.add_argument("--embedding-dtype", choices=["fp16", "fp32"], default=None,
+                   help="storage of the token embedding table (default: fp16 under int4, else --dtype); fp32 with "
+                        "int4 leaves no float16 tensor, for WebGPU adapters without shader-f16 (browser)")
     p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
     p.add_argument("--max-context", type=positive_int, default=None)
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
@@ -105,6 +108,7 @@ def cmd_export(args) -> int:
     from snapspec.export import export
     export(args.hf_dir, args.out_dir, dtype=args.dtype, quant=args.quant, block_size=args.block_size,
            rollback_window=args.rollback_window, max_context=args.max_context, force=args.force,
+           embedding_dtype=args.embedding_dtype,
            log=lambda m: print(m, file=sys.stderr))
     return 0
 

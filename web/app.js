@@ -15,20 +15,39 @@ function status(text, error = false) {
   $('status').className = error ? 'error' : '';
 }
 
-async function chooseEp(requested) {
+// Whether an export holds float16 tensors, which WebGPU runs only on adapters with shader-f16.
+function needsF16(manifest) {
+  const e = manifest.export;
+  return e.dtype === 'float16' || (e.embedding_dtype ?? (e.quant === 'int4' ? 'float16' : e.dtype)) === 'float16';
+}
+
+async function chooseEp(requested, manifests) {
   const adapter = navigator.gpu ? await navigator.gpu.requestAdapter().catch(() => null) : null;
-  if (requested === 'webgpu' && !adapter) {
-    throw new Error('WebGPU was requested but this browser has no WebGPU adapter (Chromium: --enable-unsafe-webgpu on Linux)');
+  const wasm = (why) => ({ ep: 'wasm', device: 'wasm', why });
+  if (requested === 'wasm') return wasm('');
+  if (!adapter) {
+    if (requested === 'webgpu') throw new Error('WebGPU was requested but this browser has no WebGPU adapter (Chromium on Linux: --enable-unsafe-webgpu)');
+    return wasm('no WebGPU adapter');
   }
-  if (requested === 'wasm' || !adapter) return { ep: 'wasm', device: `wasm, ${ort.env.wasm.numThreads || 1} thread(s)` };
   const info = adapter.info || {};
-  return { ep: 'webgpu', device: `WebGPU (${[info.vendor, info.architecture, info.description].filter(Boolean).join(' ') || 'adapter'})` };
+  const name = [info.vendor, info.architecture, info.description].filter(Boolean).join(' ') || 'adapter';
+  const f16 = manifests.filter(needsF16).map((m) => m.name);
+  if (f16.length && !adapter.features.has('shader-f16')) {
+    const why = `${f16.join(' and ')}: float16 tensors, and this WebGPU adapter (${name}) has no shader-f16; `
+      + 're-export with --embedding-dtype fp32 (int4) or --dtype fp32';
+    if (requested === 'webgpu') throw new Error(why);
+    return wasm(why);
+  }
+  return { ep: 'webgpu', device: `WebGPU (${name})`, why: '' };
 }
 
 async function start() {
   const params = new URLSearchParams(location.search);
   const config = await fetchJson('config.json');
-  const { ep, device } = await chooseEp(params.get('ep'));
+  const roles = Object.keys(config.models);
+  const manifests = await Promise.all(roles.map(async (role) => ({
+    ...(await fetchJson(config.models[role].url + 'snapspec.json')), name: config.models[role].name })));
+  const { ep, device, why } = await chooseEp(params.get('ep'), manifests);
   // wasm threads: onnxruntime-web's default (half the cores, at most 4; 1 without cross-origin isolation), or ?threads=N.
   if (params.get('threads')) ort.env.wasm.numThreads = Number(params.get('threads'));
   const load = (role) => (config.models[role] ? loadModel({ ...config.models[role] }, ep, { onProgress: status }) : null);
@@ -36,9 +55,10 @@ async function start() {
   const drafter = await load('drafter');
   const describe = (m) => `${m.name} (${m.manifest.model.model_type}, ${m.manifest.export.dtype}${m.manifest.export.quant !== 'none' ? ' ' + m.manifest.export.quant : ''})`;
   $('models').textContent = `target ${describe(target)}` + (drafter ? ` · drafter ${describe(drafter)}` : ' · no drafter (plain decoding)')
-    + ` · onnxruntime-web ${ort.env.versions.web} on ${ep === 'wasm' ? `wasm, ${ort.env.wasm.numThreads} thread(s)` : device}`;
+    + ` · onnxruntime-web ${ort.env.versions.web} on ${ep === 'wasm' ? `wasm, ${ort.env.wasm.numThreads} thread(s)` : device}`
+    + (why ? ` (wasm: ${why})` : '');
   if (!drafter) $('draft-k').value = 0;
-  return { ep, device, target, drafter };
+  return { ep, device: ep === 'wasm' ? `wasm, ${ort.env.wasm.numThreads} thread(s)` : device, target, drafter };
 }
 
 let running = null;
