@@ -8,6 +8,7 @@ without a GPU, `--enable-unsafe-webgpu` gives Chromium a SwiftShader adapter: co
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import os
@@ -204,7 +205,7 @@ def run_page(url: str, ep: str, spec: dict | None, *, chromium: str, screenshot:
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, headless=True, args=FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 760})
+            page = browser.new_page(viewport={"width": 1100, "height": 820})
             page.set_default_timeout(timeout_s * 1000)
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.goto(f"{url}?ep={ep}")
@@ -248,13 +249,28 @@ def _screenshot(page, path: Path) -> None:
         page.wait_for_function("() => document.getElementById('go').textContent === 'Generate'")
 
 
+def speed_summary(runs: list[dict]) -> dict:
+    """Each speculative run against the mean of the plain runs that bracket it: median (min-max) of the ratios."""
+    ratios, plain = [], [r["tokens_per_s"] for r in runs if not r["speculative"]]
+    for i, r in enumerate(runs):
+        if r["speculative"]:
+            ratios.append(r["tokens_per_s"] / ((runs[i - 1]["tokens_per_s"] + runs[i + 1]["tokens_per_s"]) / 2))
+    if not ratios:
+        return {"line": f"plain {np.median(plain):.1f} tok/s"}
+    spec = [r["tokens_per_s"] for r in runs if r["speculative"]]
+    k = runs[1]["k"]
+    return {"ratios": ratios, "line": f"plain {np.median(plain):.1f} tok/s, speculative k={k} {np.median(spec):.1f} "
+                                      f"tok/s, {np.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"}
+
+
 # -- the command --------------------------------------------------------------------------------------------------
 
 
 def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Path | None = None,
           web_dir: Path | None = None, chromium: str | None = None, new_tokens: int = 24, ks=(1, 2, 3, 4),
-          speed: int = 0) -> dict:
-    """Run everything; return {"checks": [...], "passed": bool, "summary": str, ...}."""
+          speed: int = 0, speed_k: int = 3, quick: bool | None = None) -> dict:
+    """Run everything; return {"checks": [...], "passed": bool, "summary": str, ...}. quick (default: on WebGPU):
+    each k on one prompt, rollback at j = 0, 1, W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
     from snapspec.runtime import load
 
     from .web import PageServer, vendor_dirs
@@ -266,9 +282,11 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     target = load(target_dir, threads=1)
     drafter = load(drafter_dir, threads=1, spin=False, role="drafter") if drafter_dir else None
     window = int(target.manifest.rollback["window"])
-    spec, ref = build_spec(target, drafter, new_tokens=new_tokens, ks=ks, window=window, spread=ep == "webgpu")
+    spec, ref = build_spec(target, drafter, new_tokens=new_tokens, ks=ks, window=window,
+                           spread=ep == "webgpu" if quick is None else quick)
     with PageServer(target_dir, drafter_dir, web_dir=web_dir) as server:
-        page = run_page(server.url, ep, spec, chromium=browser_path, screenshot=screenshot, speed=speed)
+        page = run_page(server.url, ep, spec, chromium=browser_path, screenshot=screenshot, speed=speed,
+                        speed_k=speed_k)
     result = page["result"]
     dtypes = {role: m.manifest.data["export"]["dtype"] for role, m in (("target", target), ("drafter", drafter)) if m}
     checks = judge(result, ref, spec, dtypes)
@@ -293,7 +311,8 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
               "seconds": round(time.perf_counter() - t0, 2),
               "checks": [{"name": c.name, "passed": c.passed, "detail": c.detail} for c in checks]}
     if speed:
-        report["speed"] = page["speed"]
+        report["speed"] = {**page["speed"], **speed_summary(page["speed"]["runs"])}
+        report["summary"] += "; " + report["speed"]["line"]
     if screenshot is not None:
         report["screenshot"] = str(screenshot)
     return report
@@ -308,7 +327,11 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--screenshot", type=Path, help="also save a PNG of the page mid-generation here")
     p.add_argument("--new-tokens", type=int, default=24, help="tokens per generation in the checks (default 24)")
     p.add_argument("--speed", type=int, default=0, metavar="N",
-                   help="also time plain and speculative decoding of N tokens in the page (A B A)")
+                   help="also time plain and speculative decoding of N tokens in the page (P S P S P S P)")
+    p.add_argument("--speed-k", type=int, default=3, metavar="K", help="draft length of the timed runs (default 3)")
+    p.add_argument("--quick", action=argparse.BooleanOptionalAction, default=None,
+                   help="each k on one prompt, rollback at j = 0, 1, W/2, W (default: on for webgpu, which is slow on "
+                        "SwiftShader; int4 matmuls are slow on wasm too)")
     p.add_argument("--web-dir", type=Path, default=None, help="where `snapspec web --install` put onnxruntime-web")
     p.add_argument("--chromium", default=None, help="the Chromium executable (default: /usr/bin/chromium)")
     p.add_argument("--json", type=Path, dest="json_out", help="write the full report here")
@@ -316,7 +339,8 @@ def add_parser(sub, runtime_flags):
 
 def run(args) -> int:
     report = check(args.target, args.drafter, args.ep, screenshot=args.screenshot, web_dir=args.web_dir,
-                   chromium=args.chromium, new_tokens=args.new_tokens, speed=args.speed)
+                   chromium=args.chromium, new_tokens=args.new_tokens, speed=args.speed, speed_k=args.speed_k,
+                   quick=args.quick)
     if args.json_out:
         args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     print(report["summary"])

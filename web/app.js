@@ -68,6 +68,7 @@ function render(gen, done) {
   let text = gen.target.decode(gen.tokens);
   if (!done) text = text.replace(/\ufffd+$/, ''); // an incomplete UTF-8 sequence: wait for the rest
   $('text').replaceChildren(Object.assign(document.createElement('span'), { className: 'prompt', textContent: $('prompt').value }), text);
+  $('text').scrollTop = $('text').scrollHeight;
   $('s-tokens').textContent = s.newTokens;
   const tps = s.decodeTokensPerS;
   $('s-tps').textContent = tps ? tps.toFixed(1) : '–';
@@ -91,10 +92,17 @@ async function generate(app) {
   running = { stop: false, gen };
   $('go').textContent = 'Stop';
   status(drafter ? `generating: speculative, k = ${k}` : 'generating: plain decoding');
+  let painted = performance.now();
   try {
     for await (const _ of gen) {
       render(gen, false);
       if (running.stop) { gen.stopReason = 'stopped'; break; }
+      // On wasm with one thread, inference runs on this thread: let the browser paint (and see a Stop click) every
+      // 100 ms, or the text would appear all at once at the end.
+      if (performance.now() - painted > 100) {
+        await new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
+        painted = performance.now();
+      }
     }
     render(gen, true);
     status(`done (${gen.stopReason})` + (gen.warnings.length ? ` · ${gen.warnings.join('; ')}` : ''));
@@ -105,15 +113,18 @@ async function generate(app) {
   }
 }
 
-// Plain, speculative, plain (A B A) on one prompt, greedy: decode tokens/s of each run, and whether the texts match.
-async function timeDecoding(app, { prompt, newTokens, k }) {
+// Plain and speculative decoding interleaved (P S P S ... P: every speculative run bracketed by plain runs) on one
+// prompt, greedy: decode tokens/s of each run, and whether every text equals the first plain one.
+async function timeDecoding(app, { prompt, newTokens, k, reps = 3 }) {
   const ids = app.target.encode(prompt);
+  const plan = [null];
+  for (let r = 0; r < reps && app.drafter; r++) plan.push(app.drafter, null);
   const runs = [];
-  for (const drafter of app.drafter ? [null, app.drafter, null] : [null]) {
+  for (const drafter of plan) {
     const gen = new Generator(app.target, ids, { drafter, draftMax: k, maxNewTokens: newTokens, stopAtEos: false });
     try { await gen.run(); } finally { gen.dispose(); }
     runs.push({ speculative: !!drafter, k: drafter ? k : 0, tokens: gen.tokens.length, tokens_per_s: gen.stats.decodeTokensPerS,
-      acceptance: gen.stats.acceptance, ids: [...gen.tokens] });
+      acceptance: gen.stats.acceptance, rounds: gen.stats.rounds, ids: [...gen.tokens] });
   }
   const same = runs.every((r) => JSON.stringify(r.ids) === JSON.stringify(runs[0].ids));
   runs.forEach((r) => delete r.ids);
