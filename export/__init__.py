@@ -36,12 +36,16 @@ DEFAULT_WINDOW = 8
 
 def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int = 32,
            rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
-           log=print) -> manifest.Manifest:
+           embedding_dtype: str | None = None, log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
     dtype: float32 | float16 (activations and weights; recurrent state stays float32).
     quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table is stored in
            float16, the output projection is quantized even when tied).
+    embedding_dtype: float16 | float32, how the token embedding table is stored (default: under int4, int4 read
+           by GatherBlockQuantized when the hidden size is a multiple of the block size, else float16; without
+           int4, the export dtype). float32 with int4 gives a graph with no float16 tensor, which WebGPU adapters
+           without shader-f16 (SwiftShader, some older GPUs) need in the browser.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
@@ -52,6 +56,9 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     dtype = {"fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
     if dtype not in ("float32", "float16"):
         raise SnapspecError(f"unsupported dtype {dtype!r}: use fp32 or fp16")
+    embedding_dtype = {"fp32": "float32", "fp16": "float16"}.get(embedding_dtype, embedding_dtype)
+    if embedding_dtype not in (None, "float32", "float16"):
+        raise SnapspecError(f"unsupported embedding dtype {embedding_dtype!r}: use fp32 or fp16")
     if quant not in ("none", "int4"):
         raise SnapspecError(f"unsupported quantization {quant!r}: use none or int4")
     if block_size not in (16, 32, 64, 128, 256):
@@ -85,7 +92,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
     try:
         dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0], accuracy_level=level),
-                      Graph("replay", dtype, "none", data=data[1]))
+                      Graph("replay", dtype, "none", data=data[1]), embedding_dtype=embedding_dtype)
         with _progress(weights, data, log):
             module.build(dec, weights, spec, ctx)
         dec.finish()
@@ -291,8 +298,9 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
                      "state_window": state_window},
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
                    "int4_accuracy_level": level if quant == "int4" else None,
-                   "int4_note": "embedding table int4 (GatherBlockQuantized; a tied output projection reads the same "
-                   "bytes) when the hidden size is a multiple of the block size, else float16; output projection int4"
+                   "embedding_dtype": dec.embedding_storage,
+                   "int4_note": f"embedding table stored as {dec.embedding_storage} (int4: GatherBlockQuantized, a "
+                   "tied output projection reads the same bytes); output projection int4"
                    if quant == "int4" else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
                      "python": sys.version.split()[0]},

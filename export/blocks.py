@@ -78,6 +78,8 @@ class Decoder:
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
     _rollback_values: list[str] = field(default_factory=list)
+    embedding_dtype: str | None = None  # asked storage of the embedding table: float16 | float32 (None: see embed)
+    embedding_storage: str | None = None  # what embed() stored: int4 | float16 | float32
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def token_inputs(self):
@@ -517,15 +519,16 @@ class Decoder:
 
     # -- head -------------------------------------------------------------------------------------------------------
     def embed(self, table: np.ndarray) -> str:
-        """Token embedding. Under int4 (hidden a multiple of the block size) the table is quantized like a linear
-        weight and read by com.microsoft GatherBlockQuantized straight from the MatMulNBits layout, so a tied
-        output projection reuses its bytes (`logits`): the table is stored once, in int4. Otherwise float16 under
-        int4 (exact for bf16 checkpoints' values in float16 range), else the export dtype."""
+        """Token embedding. Under int4 (hidden a multiple of the block size, no --embedding-dtype) the table is
+        quantized like a linear weight and read by com.microsoft GatherBlockQuantized straight from the MatMulNBits
+        layout, so a tied output projection reuses its bytes (`logits`): the table is stored once, in int4.
+        Otherwise a table stored in another dtype than the graph's (float16 under int4: exact for bf16 checkpoints'
+        values in float16 range; or `embedding_dtype`) is gathered, then the rows are cast."""
         g = self.fwd
         self._embed_q4 = None
         n, k = table.shape
         with g.scope("model/embed_tokens"):
-            if g.quantizes(k):
+            if self.embedding_dtype is None and g.quantizes(k):
                 packed, scales, zeros = quantize_int4(table, g.block_size)
                 kb = k // g.block_size
                 # GatherBlockQuantized wants scales and zero points of the data's rank, (N, kb, 1) for blocks of
@@ -537,11 +540,15 @@ class Decoder:
                             "GatherBlockQuantized", domain=MS, gather_axis=0, quantize_axis=2,
                             block_size=g.block_size, bits=4)
                 self._embed_q4 = (table, data, scales, zeros)
+                self.embedding_storage = "int4"
                 return g.reshape(rows, [0, 0, k], "rows")
-            if g.quant == "int4":
-                rows = g.op("Gather", [g.const("weight", table.astype(np.float16), keep_dtype=True), self.input_ids],
+            stored = np.dtype(np.float16 if self.embedding_dtype == "float16" else np.float32) \
+                if self.embedding_dtype else np.dtype(np.float16) if g.quant == "int4" else g.np_dtype
+            self.embedding_storage = str(stored)
+            if stored != g.np_dtype:
+                rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
-                return g.op("Cast", [rows], "Cast", to=g.onnx_dtype) if g.onnx_dtype != TensorProto.FLOAT16 else rows
+                return g.op("Cast", [rows], "Cast", to=g.onnx_dtype)
             return g.op("Gather", [g.const("weight", table), self.input_ids], "Gather")
 
     def final_norm(self, y: str, h: str, gamma: np.ndarray, eps: float) -> str:

@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations (default fp32; CUDA needs fp16)")
     p.add_argument("--quant", choices=["none", "int4"], default="none", help="int4: MatMulNBits weights (default none)")
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32, help="int4 block size (default 32)")
+    p.add_argument("--embedding-dtype", choices=["fp16", "fp32"], default=None,
+                   help="storage of the token embedding table (default: int4 under --quant int4 where the hidden "
+                        "size allows, else fp16 under int4, else --dtype); fp32 with int4 leaves no float16 tensor, "
+                        "for WebGPU adapters without shader-f16 (browser)")
     p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
     p.add_argument("--max-context", type=positive_int, default=None,
                    help="positions the graph supports (default: the config's, at most 32768)")
@@ -67,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=positive_int, default=None, help="rollback window for the memory estimate")
     add_json_flag(p, "the description")
 
-    from . import bench, chat, conformance, demo, doctor, serve  # noqa: E402  (subcommands with their own flags)
-    for module in (bench, conformance, demo, doctor, chat, serve):
+    from . import bench, browser_check, chat, conformance, demo, doctor, serve, web  # noqa: E402  (own flags)
+    for module in (bench, conformance, demo, doctor, chat, serve, web, browser_check):
         module.add_parser(sub, add_runtime_flags)
     return parser
 
@@ -103,6 +107,7 @@ def cmd_export(args) -> int:
     from snapspec.export import export
     export(args.hf_dir, args.out_dir, dtype=args.dtype, quant=args.quant, block_size=args.block_size,
            rollback_window=args.rollback_window, max_context=args.max_context, force=args.force,
+           embedding_dtype=args.embedding_dtype,
            log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -196,7 +201,8 @@ def _lazy(module: str, func: str):
 
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "info": cmd_info,
             "bench": _lazy("bench", "run"), "conformance": _lazy("conformance", "run"), "demo": _lazy("demo", "run"),
-            "doctor": _lazy("doctor", "run"), "chat": _lazy("chat", "run"), "serve": _lazy("serve", "run")}
+            "doctor": _lazy("doctor", "run"), "chat": _lazy("chat", "run"), "serve": _lazy("serve", "run"),
+            "web": _lazy("web", "run"), "browser-check": _lazy("browser_check", "run")}
 
 if __name__ == "__main__":
     sys.exit(main())
