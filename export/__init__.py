@@ -36,7 +36,7 @@ DEFAULT_WINDOW = 8
 
 def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int = 32,
            rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
-           embedding_dtype: str | None = None, log=print) -> manifest.Manifest:
+           embedding_dtype: str | None = None, int4_accuracy: int | None = None, log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
     dtype: float32 | float16 (activations and weights; recurrent state stays float32).
@@ -46,6 +46,9 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            by GatherBlockQuantized when the hidden size is a multiple of the block size, else float16; without
            int4, the export dtype). float32 with int4 gives a graph with no float16 tensor, which WebGPU adapters
            without shader-f16 (SwiftShader, some older GPUs) need in the browser.
+    int4_accuracy: MatMulNBits accuracy level, 1 (float32 math) or 4 (int8 activations); default: 4 for float32
+           exports (the CPU path), 1 for float16. onnxruntime-web computes in float32: export level 1 for a page
+           whose results must equal Python onnxruntime's.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
@@ -83,7 +86,10 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
                             "needs") from None
     ctx = int(max_context or min(spec.max_positions, 32768))
     weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
-    level = int4_accuracy_level(dtype)
+    if int4_accuracy not in (None, 1, 4):
+        raise SnapspecError(f"unsupported int4 accuracy level {int4_accuracy}: use 1 (float32 math) or 4 (int8 "
+                            "activations)")
+    level = int4_accuracy or int4_accuracy_level(dtype)
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
 

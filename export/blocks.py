@@ -180,7 +180,10 @@ class Decoder:
                 cap = g.op("Gather", [g.op("Shape", [past_key], "rows/Shape"), g.ints("axis2", 2)], "rows")
                 width = g.op("Gather", [g.op("Shape", [self.attention_mask], "total/Shape"), g.ints("axis1b", 1)],
                              "total")
-                n = g.op("Min", [g.ints("one", 1), g.op("Sub", [cap, width], "free")], "count")
+                # 0 when the buffer has no free row, or when past_* holds only the sequence so far (a caller that
+                # grows its KV instead of binding one full buffer, as onnxruntime-web pages do)
+                free = g.op("Max", [g.op("Sub", [cap, width], "free"), g.ints("zero", 0)], "free_0")
+                n = g.op("Min", [g.ints("one", 1), free], "count")
                 last = g.op("Sub", [t, g.ints("one_b", 1)], "last")
                 n32 = g.op("Cast", [n], "count_i32", to=I32)
                 self._spare = _Spare(

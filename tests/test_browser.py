@@ -85,21 +85,24 @@ def test_browser_webgpu(browser_ready, tiny_export, target, drafter):
 
 
 def test_browser_int4_and_screenshot(browser_ready, tiny_export, tmp_path):
-    """int4 exports (MatMulNBits) pass in the page: on wasm as exported by default (float16 embedding table), with
+    """int4 exports (MatMulNBits) pass in the page: on wasm with a float16 embedding table, with
     a screenshot mid-generation; on WebGPU with --embedding-dtype fp32 (no float16 tensor, which SwiftShader cannot
     run), while the default int4 export is refused there in one line naming the option."""
     shot = tmp_path / "page.png"
-    int4 = dict(quant="int4", block_size=32)
-    report = browser_check.check(tiny_export("qwen3_5_text", **int4), tiny_export("lfm2", **int4), "wasm",
+    int4 = dict(quant="int4", block_size=32, int4_accuracy=1)  # float32 math: what onnxruntime-web computes
+    fp16 = dict(embedding_dtype="fp16", **int4)
+    report = browser_check.check(tiny_export("qwen3_5_text", **fp16), tiny_export("lfm2", **fp16), "wasm",
                                  screenshot=shot, new_tokens=16)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     report = browser_check.check(tiny_export("qwen3", embedding_dtype="fp32", **int4), None, "webgpu", new_tokens=8)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     try:
-        browser_check.check(tiny_export("qwen3", **int4), None, "webgpu", new_tokens=8)
+        browser_check.check(tiny_export("qwen3", **fp16), None, "webgpu", new_tokens=8)
     except SnapspecError as exc:  # an adapter without shader-f16 (SwiftShader)
         assert "shader-f16" in str(exc) and "--embedding-dtype fp32" in str(exc)
+    with pytest.raises(SnapspecError, match="--embedding-dtype fp16"):  # the default int4 embedding: no kernel there
+        browser_check.check(tiny_export("qwen3", **int4), None, "wasm", new_tokens=8)
 
 
 def test_int4_embedding_fp32_export(tiny_export):
@@ -111,12 +114,12 @@ def test_int4_embedding_fp32_export(tiny_export):
     from snapspec.runtime import Context, load
 
     int4 = dict(quant="int4", block_size=32)
-    a, b = tiny_export("qwen3", **int4), tiny_export("qwen3", embedding_dtype="fp32", **int4)
+    a, b = tiny_export("qwen3", embedding_dtype="fp16", **int4), tiny_export("qwen3", embedding_dtype="fp32", **int4)
     graph = onnx.load(b / "model.onnx", load_external_data=False).graph
     assert not [t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
     assert json.loads((b / "snapspec.json").read_text())["export"]["embedding_dtype"] == "float32"
     ids = list(range(5, 40))
-    np.testing.assert_array_equal(Context(load(a)).forward(ids), Context(load(b)).forward(ids))
+    np.testing.assert_array_equal(Context(load(a)).forward(ids).logits, Context(load(b)).forward(ids).logits)
 
 
 # -- the server and the command line, without a browser ------------------------------------------------------------

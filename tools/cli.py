@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and activations (default fp32; CUDA needs fp16)")
     p.add_argument("--quant", choices=["none", "int4"], default="none", help="int4: MatMulNBits weights (default none)")
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32, help="int4 block size (default 32)")
+    p.add_argument("--int4-accuracy", type=int, choices=[1, 4], default=None,
+                   help="MatMulNBits accuracy level: 4 = int8 activations (default for fp32: fastest on CPU), 1 = "
+                        "float32 math (default for fp16; what onnxruntime-web computes)")
     p.add_argument("--embedding-dtype", choices=["fp16", "fp32"], default=None,
                    help="storage of the token embedding table (default: int4 under --quant int4 where the hidden "
                         "size allows, else fp16 under int4, else --dtype); fp32 with int4 leaves no float16 tensor, "
@@ -107,7 +110,7 @@ def cmd_export(args) -> int:
     from snapspec.export import export
     export(args.hf_dir, args.out_dir, dtype=args.dtype, quant=args.quant, block_size=args.block_size,
            rollback_window=args.rollback_window, max_context=args.max_context, force=args.force,
-           embedding_dtype=args.embedding_dtype,
+           embedding_dtype=args.embedding_dtype, int4_accuracy=args.int4_accuracy,
            log=lambda m: print(m, file=sys.stderr))
     return 0
 
