@@ -82,7 +82,10 @@ class Context:
         rec_fill = np.nan if poison else 0.0
         kv_specs = [s for s in m.state if s["role"].startswith("kv")]
         rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
-        self.kv = KVCache(kv_specs, self.max_len, self.device, kv_fill) if kv_specs else None
+        # One row more for a graph whose attention writes a spare row past the sequence (export/blocks.py
+        # _spare_row): with it, a forward that fills the context still computes its rows as one-token steps would.
+        kv_rows = self.max_len + int(bool(m.data["graphs"]["forward"].get("spare_kv_row")))
+        self.kv = KVCache(kv_specs, kv_rows, self.device, kv_fill) if kv_specs else None
         self.recurrent = None
         if rec_specs:
             if mode == "window":

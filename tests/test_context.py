@@ -157,7 +157,9 @@ def test_buffers_sized_to_need(model):
     need = len(prompt) + 24 + w
     assert need < t.manifest.max_context
     assert g.tctx.max_len == g.dctx.max_len == need
-    assert g.tctx.kv.nbytes == _state_bytes(t, need, "kv")
+    spare = int(t.manifest.data["graphs"]["forward"]["spare_kv_row"])  # one KV row past the context (blocks.py)
+    assert spare == 1
+    assert g.tctx.kv.nbytes == _state_bytes(t, need + spare, "kv")
     assert g.tctx.recurrent.nbytes == _state_bytes(t, need, ("conv", "recurrent"), slots=2)  # replay: 2 slots
     assert g.dctx.recurrent.nbytes == _state_bytes(d, need, ("conv", "recurrent"), slots=w + 1)  # ring: W + 1
     assert g.tctx.nbytes == g.tctx.kv.nbytes + g.tctx.recurrent.nbytes
@@ -166,7 +168,7 @@ def test_buffers_sized_to_need(model):
     assert g.costs is not None and len(g.costs.C) == g.window + 1  # calibrated in full, inside the same buffers
     explicit = Generator(t, prompt, drafter=d, max_new_tokens=24, context=100)
     assert explicit.tctx.max_len == explicit.dctx.max_len == 100
-    assert explicit.tctx.kv.nbytes == _state_bytes(t, 100, "kv")
+    assert explicit.tctx.kv.nbytes == _state_bytes(t, 100 + spare, "kv")
     plain = Generator(t, prompt, max_new_tokens=5000)  # more than the export holds: capped at its max_context
     assert plain.tctx.max_len == t.manifest.max_context
 
@@ -235,3 +237,20 @@ def test_attention_mask_is_a_view_of_one_buffer(model, monkeypatch):
     for tok in range(1, 30):
         ctx.forward([tok], keep=1, logits=False)
     assert not made
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2"])
+def test_int4_verify_equals_steps_at_the_end_of_the_context(model, arch):
+    """An int4 export (accuracy level 4) in a context sized exactly to a prompt and a 5-token verify: the verify's
+    ids and logits equal five one-token steps bit for bit, up to the very last position (the KV buffer's spare row
+    leaves room for the attention's spare query row, export/blocks.py)."""
+    m = model(arch, quant="int4", block_size=16)
+    ids = list(np.random.default_rng(3).integers(1, m.vocab_size, 25))
+    verify, steps = Context(m, 25), Context(m, 25)
+    verify.prefill(ids[:20])
+    steps.prefill(ids[:20])
+    multi = verify.forward(ids[20:])
+    singles = [steps.forward([tok]) for tok in ids[20:]]
+    assert verify.n_past == steps.n_past == 25 == verify.max_len
+    assert np.array_equal(multi.ids, np.concatenate([s.ids for s in singles]))
+    assert np.array_equal(multi.logits, np.concatenate([s.logits for s in singles]))
