@@ -228,6 +228,9 @@ export class Context {
     this.nPast += t;
     this._dispose(replaced);
     const logits = out.logits;
+    if (logits.dims.length !== 3 || logits.dims[1] !== t) {
+      throw new Error(`${model.name}: logits of shape [${logits.dims}] for ${t} tokens; the page needs a row per token`);
+    }
     const vocab = logits.dims[logits.dims.length - 1];
     const data = hostFloats(logits);
     const rows = [];
