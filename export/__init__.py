@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -22,10 +23,14 @@ from snapspec import SnapspecError, manifest
 from . import arch, genai_config, window
 from .blocks import Decoder
 from .checkpoint import Checkpoint
+from .external import DataFile
 from .graph import Graph
 from .weights import Weights
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+# Copied when present. The chat template travels as published: chat_template.jinja (current transformers), a
+# "chat_template" key of tokenizer_config.json (older), or chat_template.json (processor checkpoints).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json")
 DEFAULT_WINDOW = 8
 
 
@@ -37,8 +42,9 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     dtype: float32 | float16 (activations and weights; recurrent state stays float32).
     quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table is stored in
            float16, the output projection is quantized even when tied).
-    embedding_dtype: float16 | float32, how the token embedding table is stored (default: float16 under int4,
-           else the export dtype). float32 with int4 gives a graph with no float16 tensor, which WebGPU adapters
+    embedding_dtype: float16 | float32, how the token embedding table is stored (default: under int4, int4 read
+           by GatherBlockQuantized when the hidden size is a multiple of the block size, else float16; without
+           int4, the export dtype). float32 with int4 gives a graph with no float16 tensor, which WebGPU adapters
            without shader-f16 (SwiftShader, some older GPUs) need in the browser.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
@@ -53,7 +59,6 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     embedding_dtype = {"fp32": "float32", "fp16": "float16"}.get(embedding_dtype, embedding_dtype)
     if embedding_dtype not in (None, "float32", "float16"):
         raise SnapspecError(f"unsupported embedding dtype {embedding_dtype!r}: use fp32 or fp16")
-    embedding_dtype = embedding_dtype or ("float16" if quant == "int4" else dtype)
     if quant not in ("none", "int4"):
         raise SnapspecError(f"unsupported quantization {quant!r}: use none or int4")
     if block_size not in (16, 32, 64, 128, 256):
@@ -71,25 +76,37 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
 
     ckpt = Checkpoint(hf_dir)
     module = arch.for_config(ckpt.config)
-    spec = module.spec(ckpt.config)
+    try:
+        spec = module.spec(ckpt.config)
+    except KeyError as exc:
+        raise SnapspecError(f"{hf_dir / 'config.json'} lacks {exc.args[0]!r}, which {ckpt.config.get('model_type')} "
+                            "needs") from None
     ctx = int(max_context or min(spec.max_positions, 32768))
     weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
-    dec = Decoder(Graph("forward", dtype, quant, block_size), Graph("replay", dtype, "none"),
-                  embedding_dtype=embedding_dtype)
+    level = int4_accuracy_level(dtype)
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
-    with _progress(ckpt, weights, log):
-        module.build(dec, weights, spec, ctx)
-    dec.finish()
-    weights.check_covered()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
+    data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
     try:
+        dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0], accuracy_level=level),
+                      Graph("replay", dtype, "none", data=data[1]), embedding_dtype=embedding_dtype)
+        with _progress(weights, data, log):
+            module.build(dec, weights, spec, ctx)
+        dec.finish()
+        weights.check_covered()
+        level = _experts_keep_float32(dec.fwd, level)
+        for d in data:
+            d.close()
+        digests = {d.path.name: d.sha256() for d in data}
         _save(dec.fwd.to_model(), tmp / "model.onnx")
         has_replay = bool(dec.rollback)
         if has_replay:
             _save(dec.replay.to_model(), tmp / "replay.onnx")
+        elif data[1].path.exists():
+            data[1].path.unlink()
         state_window = rollback_window if has_replay and rollback_window <= window.MAX_WINDOW else None
         if state_window:
             window.write(tmp / "model.onnx", {n for s in dec.state if s.role in ("conv", "recurrent")
@@ -97,15 +114,17 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         elif has_replay:
             log(f"no state-window graph (CUDA rollback falls back to replay): --rollback-window {rollback_window} "
                 f"exceeds onnxruntime's state_window limit of {window.MAX_WINDOW}")
-        for name in TOKENIZER_FILES:
-            if (hf_dir / name).exists():
-                shutil.copyfile(hf_dir / name, tmp / name)
+        copied = [name for name in TOKENIZER_FILES if (hf_dir / name).exists()]
+        for name in copied:
+            shutil.copyfile(hf_dir / name, tmp / name)
         shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
-        data = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                              state_window)
+        skipped = weights.skipped()
+        info = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
+                              state_window, copied, skipped, level)
         # Derived from the manifest's data, written first so that the manifest checksums it too.
-        genai_config.write(tmp, data, num_attention_heads=getattr(spec, "heads", None))
-        result = manifest.write(tmp, data)
+        genai_config.write(tmp, info, num_attention_heads=getattr(spec, "heads", None))
+        result = manifest.write(tmp, info,
+                                {name: digest for name, digest in digests.items() if digest and (tmp / name).exists()})
         os.chmod(tmp, 0o755)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)
@@ -115,10 +134,40 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        for d in data:
+            d.abandon()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s, peak memory {_peak_mb():.0f} MB")
+    finally:
+        ckpt.close()
+    if skipped:
+        log("skipped (not part of the text decoder): " + ", ".join(
+            f"{prefix}* {n['tensors']} tensors ({_size(n['bytes'])})" for prefix, n in skipped.items()))
+    log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s ({_size(data[0].size)} of weights), "
+        f"peak memory {_peak_mb():.0f} MB")
     return manifest.Manifest(out_dir, result.data)
+
+
+def int4_accuracy_level(dtype: str) -> int:
+    """MatMulNBits accuracy level, chosen by measurement (BENCHMARKS.md, "int4 on CPU"): 4 for float32 exports, the
+    CPU path (int8 activations: 2-4x faster, and its k-row results equal its one-row results bit for bit at block
+    sizes 16 and 32, which greedy speculation needs); 1 for float16 exports, which run on GPU providers whose
+    level-4 paths are not verified here."""
+    return 4 if dtype == "float32" else 1
+
+
+def _experts_keep_float32(g: Graph, level: int) -> int:
+    """Level 1 for every MatMulNBits of a graph with MoE / QMoE nodes: an expert's rows round differently in a
+    k-row call than in a one-row call (each expert sees another number of rows), and int8 activations downstream
+    would amplify that into logit differences. Returns the level the graph now has."""
+    if level == 1 or not any(n.op_type in ("MoE", "QMoE") for n in g.nodes):
+        return level
+    for node in g.nodes:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 1
+    return 1
 
 
 def _clean_leftovers(out_dir: Path, log) -> None:
@@ -158,46 +207,83 @@ def _alive(pid: int | None) -> bool:
 
 
 @contextmanager
-def _progress(ckpt: Checkpoint, weights: Weights, log):
-    """A progress bar over the tensors read, on a terminal or for checkpoints over 1 GB (tiny ones finish first)."""
-    if log is None or not (sys.stderr.isatty() or ckpt.total_bytes() > 2**30):
+def _progress(weights: Weights, data: list[DataFile], log):
+    """A progress bar on a terminal (nothing otherwise): tensors read, bytes read and written, time left. Reads are
+    counted once per tensor, up to its size on disk (a tied table read twice does not run the bar past its end)."""
+    if log is None or not sys.stderr.isatty():
         yield
         return
-    from rich.progress import Progress
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    with Progress(transient=True) as bar:
-        task = bar.add_task("reading weights", total=len(ckpt.names()))
-        weights.on_read = lambda name: bar.advance(task)
+    ckpt = weights.ckpt
+    sizes = {n: ckpt.nbytes(n) for n in weights.to_read()}
+    total = sum(sizes.values())
+    seen: dict[str, int] = {}
+    done = {"tensors": 0, "bytes": 0}
+
+    def info() -> str:
+        return (f"{_size(done['bytes'])}/{_size(total)} read, {done['tensors']}/{len(sizes)} tensors, "
+                f"{_size(sum(d.size for d in data))} out")
+
+    columns = (TextColumn("exporting"), BarColumn(bar_width=12), TextColumn("{task.fields[info]}"),
+               TimeRemainingColumn())
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("export", total=total, info=info())
+
+        def on_read(name: str, nbytes: int) -> None:
+            size = sizes.get(name, 0)
+            before = seen.get(name, 0)
+            now = min(size, before + nbytes)
+            seen[name] = now
+            done["bytes"] += now - before
+            if now == size and before < size:
+                done["tensors"] += 1
+            bar.update(task, completed=done["bytes"], info=info())
+
+        ckpt.on_read = on_read
         try:
             yield
         finally:
-            weights.on_read = None
+            ckpt.on_read = None
 
 
 def _save(model: onnx.ModelProto, path: Path) -> None:
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=path.name + ".data", size_threshold=1024)
+    """The graph proto only: its initializers are inline (small) or already in the data file beside it."""
+    path.write_bytes(model.SerializeToString())
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                   state_window) -> dict:
+                   state_window, copied, skipped, level) -> dict:
     cfg = ckpt.config
     gen = {}
     gen_path = ckpt.folder / "generation_config.json"
     if gen_path.exists():
-        import json
         gen = json.loads(gen_path.read_text(encoding="utf-8"))
     eos = gen.get("eos_token_id", cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id")))
     eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
     recurrent = any(s.role in ("conv", "recurrent") for s in dec.state)
+    # logits_to_keep: the forward takes `logits_to_keep` (default 0: every row) and also returns `next_tokens`.
+    # spare_kv_row: attention writes one junk key/value row past the sequence when the KV buffer has room for it
+    # (blocks.Decoder._spare_row); a buffer of context + 1 rows keeps k-token forwards bitwise equal to one-token
+    # forwards up to the last position.
+    heads = {"logits_to_keep": True, "spare_kv_row": any(s.role.startswith("kv") for s in dec.state)}
     graphs = {"forward": {"file": "model.onnx", "inputs": [i.name for i in dec.fwd.inputs],
-                          "outputs": [o.name for o in dec.fwd.outputs]}}
+                          "outputs": [o.name for o in dec.fwd.outputs], **heads}}
     if has_replay:
         graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
                             "outputs": [o.name for o in dec.replay.outputs]}
     if state_window:
         graphs["forward_window"] = {"file": window.FILE, "inputs": graphs["forward"]["inputs"],
-                                    "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"]}
+                                    "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],
+                                    **heads}
     return {
         "model": {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures", []),
                   "layers": spec.layers, "layer_kinds": spec.layer_kinds, "hidden_size": spec.hidden,
@@ -211,13 +297,47 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
         "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": rollback_window,
                      "state_window": state_window},
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
-                   "embedding_dtype": dec.embedding_dtype,
-                   "int4_note": f"embedding table stored in {dec.embedding_dtype}; output projection quantized (int4)"
+                   "int4_accuracy_level": level if quant == "int4" else None,
+                   "embedding_dtype": dec.embedding_storage,
+                   "int4_note": f"embedding table stored as {dec.embedding_storage} (int4: GatherBlockQuantized, a "
+                   "tied output projection reads the same bytes); output projection int4"
                    if quant == "int4" else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
                      "python": sys.version.split()[0]},
-        "source": {"folder_name": ckpt.folder.name, "config_sha256": manifest.sha256_file(ckpt.folder / "config.json")},
+        # tokenizer.vocab_size may be below model.vocab_size (a table padded past the tokenizer): such ids decode
+        # to nothing.
+        "tokenizer": {"files": copied, "chat_template": _chat_template(ckpt.folder),
+                      "vocab_size": _tokenizer_vocab(ckpt.folder / "tokenizer.json")},
+        # skipped: tensors left out on purpose (a vision tower, MTP weights), per name prefix
+        "source": {"folder_name": ckpt.folder.name, "config_sha256": manifest.sha256_file(ckpt.folder / "config.json"),
+                   "tensors": len(ckpt.names()), "skipped": skipped},
     }
+
+
+def _chat_template(folder: Path) -> str | None:
+    """The file that carries the chat template, or None."""
+    if (folder / "chat_template.jinja").exists():
+        return "chat_template.jinja"
+    if (folder / "chat_template.json").exists():
+        return "chat_template.json"
+    config = folder / "tokenizer_config.json"
+    if config.exists():
+        try:
+            if json.loads(config.read_text(encoding="utf-8")).get("chat_template"):
+                return "tokenizer_config.json"
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            raise SnapspecError(f"corrupt JSON in {config}") from None
+    return None
+
+
+def _tokenizer_vocab(path: Path) -> int:
+    """Ids the tokenizer knows: its largest id + 1."""
+    from tokenizers import Tokenizer
+
+    try:
+        return max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
+        raise SnapspecError(f"cannot read {path}: {exc}") from None
 
 
 def _peak_mb() -> float:

@@ -5,10 +5,18 @@ runtime's allocator, the tests and `snapspec info` all read that table and nothi
 
     kv          [batch, kv_heads, context, head_dim]     one shared past/present buffer (GroupQueryAttention)
     conv        [batch, kernel - 1, channels]            the last kernel-1 conv inputs, sequence-major
-    recurrent   [batch, heads, key_dim, value_dim]       gated delta rule matrix state, float32
+    recurrent   [batch, heads, key_dim, value_dim]       matrix state, float32: the gated delta rule's, or Mamba2's
+                                                         [batch, heads, d_state, head_dim] (transformers keeps
+                                                         [batch, heads, head_dim, d_state]: the transpose)
+
+The head runs on the last `logits_to_keep` positions only (an int64 scalar input whose default, 0, keeps every
+position, as in transformers): the final norm and the output projection of a 4,096-token prefill then cost one row,
+and `next_tokens` (the ArgMax of each kept row, first maximum on ties) lets greedy decoding fetch token ids instead
+of vocabulary rows.
 
 Recurrent blocks also emit rollback data: the per-token inputs of their state transition (conv inputs, decay,
-beta), which the replay graph built beside the forward graph uses to advance a saved state over an accepted prefix.
+beta; Mamba2: conv inputs and dt), which the replay graph built beside the forward graph uses to advance a saved
+state over an accepted prefix.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from onnx import TensorProto
 from snapspec import SnapspecError
 
 from .graph import MS, Graph
-from .quant import quantize_int4
+from .lazy import Deferred, combine, concat, is_lazy
+from .quant import quantize_int4, quantize_int4_stacked
 
 F32 = TensorProto.FLOAT
 I64 = TensorProto.INT64
@@ -42,10 +51,22 @@ class StateEntry:
 class RollbackEntry:
     """One slice of the packed `rollback_data` output [batch, sequence, width]: columns offset..offset+width."""
 
-    kind: str  # conv_input | key | value | decay | beta
+    kind: str  # conv_input | key | value | decay | beta | dt
     layer: int
     offset: int
     width: int
+
+
+@dataclass
+class _Spare:
+    """Tensor names of the spare attention row (Decoder._spare_row)."""
+
+    start: str  # [1] int64: the last token's row
+    end: str  # [1] int64: start + (1 if the KV buffer has a free row else 0)
+    rows: str  # [1] int64: the call's token count
+    axis: str  # [1] int64: the sequence axis
+    seqlens_k: str  # [batch] int32, GroupQueryAttention's, counting the spare row
+    total_len: str  # scalar int32, likewise
 
 
 @dataclass
@@ -57,7 +78,8 @@ class Decoder:
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
     _rollback_values: list[str] = field(default_factory=list)
-    embedding_dtype: str | None = None  # the token embedding table's storage: float16 | float32 (None: the graph's)
+    embedding_dtype: str | None = None  # asked storage of the embedding table: float16 | float32 (None: see embed)
+    embedding_storage: str | None = None  # what embed() stored: int4 | float16 | float32
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def token_inputs(self):
@@ -71,6 +93,9 @@ class Decoder:
             self.seqlens_k = g.op("Cast", [lens], "seqlens_k", to=I32)
             width = g.op("Gather", [g.op("Shape", [self.attention_mask], "Shape"), g.ints("axis1", 1)], "Gather")
             self.total_len = g.op("Cast", [width], "total_sequence_length", to=I32)
+        # 0 keeps every row: Slice from -0 = 0. An initializer of the same name makes it optional for callers
+        # that do not know it (onnxruntime-genai, older runtimes).
+        self.logits_to_keep = g.input_with_default("logits_to_keep", np.array(0, dtype=np.int64))
 
     @property
     def dtype_name(self) -> str:
@@ -82,11 +107,15 @@ class Decoder:
     # -- attention -----------------------------------------------------------------------------------------------
     def attention(self, x: str, layer: int, q_w, k_w, v_w, o_w, *, heads: int, kv_heads: int, head_dim: int,
                   q_norm=None, k_norm=None, eps: float = 1e-6, gate_w=None, rotary=None,
-                  q_bias=None, k_bias=None, v_bias=None, o_bias=None) -> str:
+                  q_bias=None, k_bias=None, v_bias=None, o_bias=None, scale: float | None = None,
+                  k_scale: float = 1.0) -> str:
         """Causal attention on a shared KV buffer; optional per-head q/k RMSNorm, partial RoPE and output gate.
 
         gate_w, when given, is the (heads*head_dim, hidden) projection of the Qwen3.5 output gate.
-        rotary is (cos_cache, sin_cache) names for RotaryEmbedding over the first rotary_dim dims of each head.
+        rotary is (cos_cache, sin_cache) names for RotaryEmbedding over the first rotary_dim dims of each head;
+        None: no position encoding (Granite-4.0-H, Nemotron-H). scale: the softmax scale (default head_dim^-0.5).
+        k_scale multiplies the projected keys, before RoPE and the cache (Falcon-H1's key_multiplier): an op, not
+        folded into the weights, so an int4 export quantizes the checkpoint's own k_proj.
         """
         g = self.fwd
         hd = head_dim
@@ -97,10 +126,12 @@ class Decoder:
         if q_bias is not None:
             biases = np.concatenate([q_bias, k_bias, v_bias] + ([np.zeros(gate_w.shape[0], np.float32)]
                                                                if gate_w is not None else []))
-        qkv = g.linear(x, np.concatenate(ws, axis=0), "qkv_proj", bias=biases)
+        qkv = g.linear(x, concat(ws), "qkv_proj", bias=biases)
         sizes = [heads * hd, kv_heads * hd, kv_heads * hd] + ([heads * hd] if gate_w is not None else [])
         parts = g.split(qkv, sizes, axis=-1, leaf="split_qkv")
         q, k, v = parts[:3]
+        if k_scale != 1.0:
+            k = g.op("Mul", [k, g.scalar("k_scale", k_scale)], "k_scale")
         if q_norm is not None:
             q = g.reshape(g.rms_norm(g.reshape(q, [0, 0, heads, hd], "q_heads"), q_norm, eps, "q_norm"),
                           [0, 0, heads * hd], "q_flat")
@@ -116,9 +147,14 @@ class Decoder:
         past_v = g.input(f"past_key_values.{layer}.value", g.onnx_dtype, ["batch", kv_heads, "context", hd])
         # present.* are named directly (no Identity): the runtime binds them to the past buffers.
         pk, pv = f"present.{layer}.key", f"present.{layer}.value"
-        out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, self.seqlens_k, self.total_len],
+        spare = self._spare_row(past_k)
+        q, k, v = (g.op("Concat", [t, g.op("Slice", [t, spare.start, spare.end, spare.axis], f"spare_{n}")],
+                        f"with_spare_{n}", axis=1) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+        out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, spare.seqlens_k, spare.total_len],
                    "GroupQueryAttention", n_out=3, domain=MS, num_heads=heads, kv_num_heads=kv_heads,
+                   **({"scale": float(scale)} if scale is not None else {}),
                    outputs=[g._unique(g._path("GroupQueryAttention") + "/output_0"), pk, pv])[0]
+        out = g.op("Slice", [out, g.ints("drop_spare/start", [0]), spare.rows, spare.axis], "drop_spare")
         for past, name, role in ((past_k, pk, "key"), (past_v, pv, "value")):
             g.output(name, name, g.onnx_dtype, ["batch", kv_heads, "context", hd])
             self.state.append(StateEntry(past, name, f"kv_{role}", layer, ["batch", kv_heads, "context", hd],
@@ -126,6 +162,34 @@ class Decoder:
         if gate_w is not None:
             out = g.op("Mul", [out, g.op("Sigmoid", [parts[3]], "gate_sigmoid")], "gate_mul")
         return g.linear(out, o_w, "o_proj", bias=o_bias)
+
+    def _spare_row(self, past_key: str) -> "_Spare":
+        """One spare query row for GroupQueryAttention (a copy of the call's last row, its key and value written
+        just past the sequence, never read), whenever the KV buffer has a free row after the call.
+
+        Why: onnxruntime's CPU kernel multiplies a one-row call through a GEMV path that rounds differently from
+        its multi-row path, so a one-token step and the same row of a verify forward differed (~3e-7). With a
+        spare row every call takes the multi-row path and the rows agree bit for bit; int4 exports at accuracy
+        level 4 (int8 activations, where a 1e-7 change can move a rounding step) need that for greedy
+        speculation to equal plain decoding. A buffer with no free row runs without it (only its last position).
+        Built once per graph: row counts from input_ids, the first KV buffer and the attention mask."""
+        if getattr(self, "_spare", None) is None:
+            g = self.fwd
+            with g.scope("model/spare_row"):
+                t = g.op("Gather", [g.op("Shape", [self.input_ids], "tokens/Shape"), g.ints("axis1", 1)], "tokens")
+                cap = g.op("Gather", [g.op("Shape", [past_key], "rows/Shape"), g.ints("axis2", 2)], "rows")
+                width = g.op("Gather", [g.op("Shape", [self.attention_mask], "total/Shape"), g.ints("axis1b", 1)],
+                             "total")
+                n = g.op("Min", [g.ints("one", 1), g.op("Sub", [cap, width], "free")], "count")
+                last = g.op("Sub", [t, g.ints("one_b", 1)], "last")
+                n32 = g.op("Cast", [n], "count_i32", to=I32)
+                self._spare = _Spare(
+                    start=g.reshape(last, [1], "start"),
+                    end=g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end"),
+                    rows=g.reshape(t, [1], "rows_1d"), axis=g.ints("axis", [1]),
+                    seqlens_k=g.op("Add", [self.seqlens_k, n32], "seqlens_k"),
+                    total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"))
+        return self._spare
 
     def rotary_cache(self, rotary_dim: int, theta: float, max_positions: int) -> tuple[str, str, int]:
         inv_freq = 1.0 / (theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
@@ -184,7 +248,7 @@ class Decoder:
         """
         g = self.fwd
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-        proj = g.linear(x, np.concatenate([qkv_w, z_w, b_w, a_w], axis=0), "in_proj")
+        proj = g.linear(x, concat([qkv_w, z_w, b_w, a_w]), "in_proj")
         mixed, z, b, a = g.split(proj, [conv_dim, v_heads * v_dim, v_heads, v_heads], axis=-1, leaf="split_in")
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
@@ -192,8 +256,8 @@ class Decoder:
 
         beta = g.op("Sigmoid", [b], "beta")
         decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
-                             g.op("Softplus", [g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add")],
-                                  "Softplus")], "decay")
+                             _softplus(g, g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add"), v_heads,
+                                       "Softplus")], "decay")
         q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim, eps)
         for value, kind, width in ((mixed, "conv_input", conv_dim), (k, "key", v_heads * k_dim),
                                    (v, "value", v_heads * v_dim), (decay, "decay", v_heads), (beta, "beta", v_heads)):
@@ -287,11 +351,129 @@ class Decoder:
             r.output(present, present, r.onnx_dtype, ["batch", kernel - 1, hidden])
         return g.linear(g.op("Mul", [cg, conv_out], "cy"), out_w, "out_proj", bias=out_b)
 
+    # -- Mamba2 ---------------------------------------------------------------------------------------------------
+    def mamba2(self, x: str, layer: int, *, in_w, conv_w, a_log, dt_bias, d, out_w, heads: int, head_dim: int,
+               groups: int, d_state: int, kernel: int, eps: float, norm_w=None, norm_before_gate: bool = False,
+               dt_limit: tuple[float, float] = (0.0, float("inf")), in_b=None, conv_b=None, out_b=None,
+               in_scale: np.ndarray | None = None) -> str:
+        """The Mamba2 mixer (Granite-4.0-H, Nemotron-H, Falcon-H1). in_w rows are [z (H*P) | x B C (conv) | dt (H)].
+
+        conv state: the last kernel-1 inputs of the conv over [x | B | C]; recurrent state [batch, H, N, P]
+        (N = d_state, P = head_dim), the transpose of transformers' [H, head_dim, d_state]. The selective scan is
+        onnxruntime's LinearAttention with update_rule "gated", which is the Mamba2 recurrence exactly (per head,
+        S <- exp(dt A) S + B (dt x)^T, y = S^T C: k = B, v = dt x, q = C, scalar decay dt A, scale 1), for one
+        token, a k+1-token verify and a long prompt alike (its chunked prefill matches the recurrence to float32
+        rounding; tests/test_reference.py). dt = softplus(dt + dt_bias) clipped to dt_limit, on every path (transformers
+        clips only in its multi-token path).
+
+        Output: y + D x, then the gated RMSNorm over `groups` groups: norm(y * silu(z)) * w, or with
+        norm_before_gate norm(y) * w * silu(z); without norm_w (Falcon-H1's mamba_rms_norm off) just y * silu(z).
+        Rollback data per token: the conv input and dt; the replay graph re-runs the conv and the scan from them.
+        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector).
+        """
+        g = self.fwd
+        inner, gn = heads * head_dim, groups * d_state
+        conv_dim = inner + 2 * gn
+        proj = g.linear(x, in_w, "in_proj", bias=in_b)
+        if in_scale is not None:
+            proj = g.op("Mul", [proj, g.const("in_proj/scale", in_scale)], "in_proj/scale")
+        z, xbc, dt_raw = g.split(proj, [inner, conv_dim, heads], axis=-1, leaf="split_in")
+        conv_weight = conv_w.reshape(conv_dim, 1, kernel)
+        past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
+        conv_out = self._causal_conv(g, xbc, g.const("conv1d/weight", conv_weight), past_conv, present_conv, "silu",
+                                     bias=g.const("conv1d/bias", conv_b) if conv_b is not None else "")
+        dt = _softplus(g, g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add"), heads, "dt_softplus")
+        lo, hi = dt_limit
+        if lo > 0.0 or hi != float("inf"):
+            dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
+                               g.const("dt_max", np.float32(hi)) if hi != float("inf") else ""], "dt_clip")
+        self._rollback_out(g, xbc, layer, "conv_input", conv_dim)
+        self._rollback_out(g, dt, layer, "dt", heads)
+
+        rec_shape = ["batch", heads, d_state, head_dim]
+        past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
+        present_rec = f"present_recurrent_state.{layer}"
+        self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, rec_shape, "float32"))
+        a = -np.exp(a_log.astype(np.float32))
+        y = self._ssd(g, conv_out, dt, a, past_rec, present_rec, heads, head_dim, groups, d_state, d=d)
+        g.output(present_rec, present_rec, F32, rec_shape)
+
+        gate = g.silu(z, "z_silu")
+        if norm_w is None:
+            y = g.op("Mul", [y, gate], "gate")
+        elif norm_before_gate:
+            y = g.op("Mul", [self._group_rms_norm(g, y, norm_w, groups, eps), gate], "gate")
+        else:
+            y = self._group_rms_norm(g, g.op("Mul", [y, gate], "gate"), norm_w, groups, eps)
+
+        self._mamba2_replay(layer, conv_weight, conv_b, a, heads, head_dim, groups, d_state, kernel)
+        return g.linear(y, out_w, "out_proj", bias=out_b)
+
+    def _ssd(self, g: Graph, conv_out: str, dt: str, a: np.ndarray, past: str, present: str, heads: int,
+             head_dim: int, groups: int, d_state: int, d: np.ndarray | None = None) -> str | None:
+        """The selective scan on the conv output [x | B | C]: LinearAttention "gated" (see mamba2), in float32 as
+        the gated delta rule is. With the skip weights d: y + D x in the export dtype. Without (the replay): q := k
+        and None, only the state is kept."""
+        inner, gn = heads * head_dim, groups * d_state
+        xs, b, c = g.split(conv_out, [inner, gn, gn], axis=-1, leaf="split_xbc")
+        if g.onnx_dtype != F32:
+            xs, b, c, dt = (g.op("Cast", [t], f"{n}_f32", to=F32) for t, n in ((xs, "x"), (b, "B"), (c, "C"),
+                                                                                 (dt, "dt")))
+        x_heads = g.reshape(xs, [0, 0, heads, head_dim], "x_heads")
+        v = g.reshape(g.op("Mul", [x_heads, g.op("Unsqueeze", [dt, g.ints("dt_axis", [-1])], "dt_unsqueeze")],
+                           "dt_x"), [0, 0, inner], "v_flat")
+        decay = g.op("Mul", [dt, g.const("A", a, keep_dtype=True)], "decay")
+
+        def per_head(t: str, name: str) -> str:  # [B, T, G*N] -> [B, T, H*N]: head h reads group h // (H / G)
+            t = g.reshape(t, [0, 0, groups, 1, d_state], f"{name}_groups")
+            if heads > groups:
+                t = g.op("Expand", [t, g.ints(f"{name}_rep", [1, 1, 1, heads // groups, 1])], f"{name}_repeat")
+            return g.reshape(t, [0, 0, heads * d_state], f"{name}_heads")
+
+        k = per_head(b, "B")
+        q = k if d is None else per_head(c, "C")
+        out, _ = g.op("LinearAttention", [q, k, v, past, decay], "LinearAttention", n_out=2, domain=MS,
+                      outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
+                      q_num_heads=heads, kv_num_heads=heads, update_rule="gated", scale=1.0)
+        if d is None:
+            return None
+        skip = g.op("Mul", [x_heads, g.const("D", d.reshape(heads, 1).astype(np.float32), keep_dtype=True)], "D_x")
+        y = g.op("Add", [out, g.reshape(skip, [0, 0, inner], "D_x_flat")], "y")
+        return g.op("Cast", [y], "y_cast", to=g.onnx_dtype) if g.onnx_dtype != F32 else y
+
+    def _group_rms_norm(self, g: Graph, y: str, gamma: np.ndarray, groups: int, eps: float) -> str:
+        """RMSNorm over `groups` equal groups of the last axis (one group: the plain norm), then * gamma."""
+        if groups == 1:
+            return g.rms_norm(y, gamma, eps, "norm")
+        width = gamma.shape[0] // groups
+        normed = g.rms_norm(g.reshape(y, [0, 0, groups, width], "norm/groups"), np.ones(width, np.float32), eps,
+                            "norm")
+        scaled = g.op("Mul", [normed, g.const("norm/gamma", gamma.reshape(groups, width))], "norm/scale")
+        return g.reshape(scaled, [0, 0, groups * width], "norm/flat")
+
+    def _mamba2_replay(self, layer, conv_weight, conv_b, a, heads, head_dim, groups, d_state, kernel):
+        """Advance conv and recurrent state over the first j tokens of the rollback data: the conv over the saved
+        conv inputs (its output feeds the scan), then the scan with q := k, keeping only its state."""
+        r = self.replay
+        conv_dim = conv_weight.shape[0]
+        rb = f"rollback.{layer}."
+        with r.scope(f"model/layers.{layer}/mamba"):
+            conv_out = self._causal_conv(r, rb + "conv_input", r.const("conv1d/weight", conv_weight),
+                                         f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu",
+                                         bias=r.const("conv1d/bias", conv_b) if conv_b is not None else "")
+            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
+                     ["batch", kernel - 1, conv_dim])
+            rec_shape = ["batch", heads, d_state, head_dim]
+            past_rec = r.input(f"past_recurrent_state.{layer}", F32, rec_shape)
+            self._ssd(r, conv_out, rb + "dt", a, past_rec, f"present_recurrent_state.{layer}", heads, head_dim,
+                      groups, d_state)
+            r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32, rec_shape)
+
     # -- MLP ------------------------------------------------------------------------------------------------------
     def swiglu(self, x: str, gate_w, up_w, down_w, leaf: str = "mlp") -> str:
         g = self.fwd
         with g.scope(leaf):
-            gu = g.linear(x, np.concatenate([gate_w, up_w], axis=0), "gate_up_proj")
+            gu = g.linear(x, concat([gate_w, up_w]), "gate_up_proj")
             gate, up = g.split(gu, [gate_w.shape[0], up_w.shape[0]], axis=-1)
             return g.linear(g.op("Mul", [g.silu(gate, "act"), up], "Mul"), down_w, "down_proj")
 
@@ -308,8 +490,9 @@ class Decoder:
         """
         g = self.fwd
         n_exp, inter, hidden = gate_w.shape
-        fc1 = np.stack([gate_w, up_w], axis=2).reshape(n_exp, 2 * inter, hidden)  # rows g0, u0, g1, u1, ...
-        logits = g.op("MatMul", [x, g.const("gate/weight", np.ascontiguousarray(router_w.T))], "gate/MatMul")
+        fc1 = combine(lambda gw, uw: np.stack([gw, uw], axis=2).reshape(len(gw), 2 * inter, hidden),
+                      [gate_w, up_w], (2 * inter, hidden))  # rows g0, u0, g1, u1, ...; lazy: expert by expert
+        logits = g.op("MatMul", [x, g.const("gate/weight", router_w.T)], "gate/MatMul")
         logits = g.reshape(logits, [-1, n_exp], "gate/flat")
         attrs = dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(normalize),
                      activation_alpha=1.0, activation_beta=0.0)
@@ -317,8 +500,8 @@ class Decoder:
         # QMoE's CPU kernel (onnxruntime 1.32) renormalises the top-k weights even with normalize_routing_weights=0,
         # so a router without renormalisation keeps float experts.
         if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0 and normalize:
-            w1, s1, z1 = _quantize_experts(fc1, bs)
-            w2, s2, z2 = _quantize_experts(down_w, bs)
+            w1, s1, z1 = quantize_int4_stacked(fc1, bs)
+            w2, s2, z2 = quantize_int4_stacked(down_w, bs)
             names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
                                                  ("experts/fc2_q4", w2), ("experts/fc2_scales", s2),
                                                  ("experts/fc1_zero_points", z1), ("experts/fc2_zero_points", z2))]
@@ -336,25 +519,74 @@ class Decoder:
 
     # -- head -------------------------------------------------------------------------------------------------------
     def embed(self, table: np.ndarray) -> str:
-        """Token embedding. A table stored in another dtype than the graph's (export's default under int4: float16,
-        half the bytes, exact for bf16 checkpoints' values in float16 range) is gathered, then the rows are cast."""
+        """Token embedding. Under int4 (hidden a multiple of the block size, no --embedding-dtype) the table is
+        quantized like a linear weight and read by com.microsoft GatherBlockQuantized straight from the MatMulNBits
+        layout, so a tied output projection reuses its bytes (`logits`): the table is stored once, in int4.
+        Otherwise a table stored in another dtype than the graph's (float16 under int4: exact for bf16 checkpoints'
+        values in float16 range; or `embedding_dtype`) is gathered, then the rows are cast."""
         g = self.fwd
-        stored = np.dtype(np.float16 if self.embedding_dtype == "float16" else np.float32) \
-            if self.embedding_dtype else g.np_dtype
+        self._embed_q4 = None
+        n, k = table.shape
         with g.scope("model/embed_tokens"):
+            if self.embedding_dtype is None and g.quantizes(k):
+                packed, scales, zeros = quantize_int4(table, g.block_size)
+                kb = k // g.block_size
+                # GatherBlockQuantized wants scales and zero points of the data's rank, (N, kb, 1) for blocks of
+                # the last axis, one zero point per byte (low nibble); MatMulNBits takes (N * kb) and packed pairs.
+                # Those two small tensors are stored twice; the int4 data once.
+                data = g.const("weight_q4", packed)  # written first: the scales and zero points come with it
+                rows = g.op("GatherBlockQuantized", [data, self.input_ids, g.const("scales", scales.reshape(n, kb, 1)),
+                                                      g.const("zero_points", _one_zero_per_byte(zeros, n, kb))],
+                            "GatherBlockQuantized", domain=MS, gather_axis=0, quantize_axis=2,
+                            block_size=g.block_size, bits=4)
+                self._embed_q4 = (table, data, scales, zeros)
+                self.embedding_storage = "int4"
+                return g.reshape(rows, [0, 0, k], "rows")
+            stored = np.dtype(np.float16 if self.embedding_dtype == "float16" else np.float32) \
+                if self.embedding_dtype else np.dtype(np.float16) if g.quant == "int4" else g.np_dtype
+            self.embedding_storage = str(stored)
             if stored != g.np_dtype:
                 rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
                 return g.op("Cast", [rows], "Cast", to=g.onnx_dtype)
             return g.op("Gather", [g.const("weight", table), self.input_ids], "Gather")
 
-    def logits(self, h: str, lm_head: np.ndarray) -> str:
+    def final_norm(self, y: str, h: str, gamma: np.ndarray, eps: float) -> str:
+        """rms_norm(y + h) over the last `logits_to_keep` positions: nothing after it needs the other rows."""
+        g = self.fwd
+        with g.scope("model/norm"):
+            # start = max(T - keep, 0) mod T: 0 (every row) for keep = 0 or keep >= T, else T - keep. From Shape(h),
+            # so that onnxruntime's CUDA EP runs the chain on the host (a node that consumes a shape and small
+            # initializers falls back to CPU); computed from the initializer alone it ran on the GPU, and the copy to
+            # the host that Slice's starts then needed is a node that CUDA graph capture refuses.
+            rows = g.op("Gather", [g.op("Shape", [h], "Shape"), g.ints("seq_axis", [1])], "rows")
+            rest = g.op("Max", [g.op("Sub", [rows, self.logits_to_keep], "rest"), g.ints("zero", [0])], "rest_0")
+            start = g.op("Mod", [rest, rows], "keep_start")
+            end, axis = g.ints("keep_end", [np.iinfo(np.int64).max]), g.ints("keep_axis", [1])
+            y, h = (g.op("Slice", [t, start, end, axis], f"keep_{n}") for t, n in ((y, "mixer"), (h, "residual")))
+            x, _ = g.skip_rms_norm(y, h, gamma, eps, "norm")
+        return x
+
+    def logits(self, x: str, lm_head: np.ndarray) -> str:
+        """`logits` [batch, kept, vocab] float32 and `next_tokens` [batch, kept] int64, their argmax."""
         g = self.fwd
         with g.scope("lm_head"):
-            y = g.linear(h, lm_head, "proj")
+            y = self._tied_int4(x, lm_head) or g.linear(x, lm_head, "proj")
             if g.onnx_dtype != F32:
                 y = g.op("Cast", [y], "Cast", to=F32)
-        return g.output(y, "logits", F32, ["batch", "sequence", lm_head.shape[0]])
+            best = g.op("ArgMax", [y], "ArgMax", axis=-1, keepdims=0, select_last_index=0)
+        g.output(best, "next_tokens", I64, ["batch", "kept"])
+        return g.output(y, "logits", F32, ["batch", "kept", lm_head.shape[0]])
+
+    def _tied_int4(self, x: str, lm_head) -> str | None:
+        """The output projection on the int4 embedding's bytes when both are one tensor (a tied head), else None."""
+        q4 = getattr(self, "_embed_q4", None)
+        if q4 is None or not _same_tensor(q4[0], lm_head):
+            return None
+        _, data, scales, zeros = q4
+        g = self.fwd
+        with g.scope("proj"):
+            return g.matmul_nbits(x, data, g.const("scales", scales), g.const("zero_points", zeros), *lm_head.shape)
 
     def table(self) -> dict:
         packed = None
@@ -364,9 +596,34 @@ class Decoder:
         return {"state": [asdict(s) for s in self.state], "rollback_data": packed}
 
 
-def _quantize_experts(w: np.ndarray, block_size: int):
-    """Per-expert MatMulNBits blobs stacked for QMoE: weights (E, N, K/2), scales (E, N, K/bs), zero points."""
-    parts = [quantize_int4(e, block_size) for e in w]
-    n = w.shape[1]
-    return (np.stack([p.reshape(n, -1) for p, _, _ in parts]), np.stack([s.reshape(n, -1) for _, s, _ in parts]),
-            np.stack([z.reshape(n, -1) for _, _, z in parts]))
+def _softplus(g: Graph, x: str, width: int, leaf: str) -> str:
+    """Softplus of [batch, tokens, width] whose value per element does not depend on the call's token count.
+
+    onnxruntime's CPU kernel computes the last n % 4 values of a buffer with a scalar formula that rounds
+    differently from its vector one, so the same value gave another result in a one-token step than in a row of
+    a k-token forward. Rows padded to a multiple of 16 keep every value on the vector path."""
+    pad = -width % 16
+    if not pad:
+        return g.op("Softplus", [x], leaf)
+    padded = g.op("Pad", [x, g.ints(f"{leaf}/pads", [0, 0, 0, 0, 0, pad])], f"{leaf}/pad")
+    return g.op("Slice", [g.op("Softplus", [padded], leaf), g.ints(f"{leaf}/start", [0]), g.ints(f"{leaf}/end", [width]),
+                          g.ints(f"{leaf}/axis", [2])], f"{leaf}/unpad")
+
+
+def _same_tensor(a, b) -> bool:
+    """Whether two weights are one checkpoint tensor (a tied head): the same name for the exporter's lazy tensors,
+    equal values for in-memory arrays."""
+    if is_lazy(a) or is_lazy(b):
+        return getattr(a, "name", None) is not None and getattr(a, "name", None) == getattr(b, "name", None)
+    return a.shape == b.shape and np.array_equal(a, b)
+
+
+def _one_zero_per_byte(zeros, n: int, kb: int):
+    """MatMulNBits' zero points (two per byte) as GatherBlockQuantized's (n, kb, 1), one per byte (low nibble);
+    deferred like the packed zero points it is computed from."""
+    def unpack(z: np.ndarray) -> np.ndarray:
+        return np.stack([z & 0x0F, z >> 4], axis=-1).reshape(n, -1)[:, :kb].reshape(n, kb, 1)
+
+    if isinstance(zeros, Deferred):
+        return Deferred(lambda: unpack(zeros.value()), (n, kb, 1), np.uint8)
+    return unpack(np.asarray(zeros))

@@ -13,7 +13,9 @@ What onnxruntime-genai 0.18 needs beyond that:
   model.type     qwen3_5_text for Qwen3.5, also for a `qwen3_5` vision-language checkpoint, whose text decoder is
                  all snapspec exports (the VLM type makes og.Model expect a multi-model package and 3-row M-RoPE
                  position ids); lfm2 for LFM2; qwen3 for Qwen3. Qwen3-Next has no type of its own there: it runs
-                 as the generic `decoder` type, whose state discovery is the same as qwen3_5_text's.
+                 as the generic `decoder` type, whose state discovery is the same as qwen3_5_text's; so do the
+                 Mamba2 hybrids (Granite-4.0-H, Nemotron-H, Falcon-H1): their conv and SSM states are conv and
+                 recurrent state like any other, and Nemotron-H's stateless MLP blocks simply have no state names.
   layer_types    lfm2 only: its cache (LFM2Cache) takes the attention / conv split from this list, not the graph.
   name templates inputs.past_conv_names, past_recurrent_names and outputs.present_* default to
                  past_key_values.%d.conv_state etc., which are not snapspec's names: they are always written.
@@ -31,7 +33,8 @@ GENAI_VERSION = "0.18.0"  # the onnxruntime-genai release this layout was checke
 
 # snapspec model_type -> onnxruntime-genai model.type
 MODEL_TYPES = {"qwen3_5_text": "qwen3_5_text", "qwen3_5": "qwen3_5_text", "lfm2": "lfm2", "qwen3": "qwen3",
-               "qwen3_next": "decoder"}
+               "qwen3_next": "decoder", "granitemoehybrid": "decoder", "nemotron_h": "decoder",
+               "falcon_h1": "decoder"}
 
 # state role -> (inputs key, outputs key) in genai_config.json's decoder block
 _TEMPLATES = {"kv_key": ("past_key_names", "present_key_names"),

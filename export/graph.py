@@ -1,8 +1,13 @@
 """A small ONNX graph builder: deterministic names, typed initializers, int4 linears.
 
 Node and tensor names follow module paths (`/model/layers.3/linear_attn/conv`), so two exports diff like code.
-Weights arrive in Hugging Face layout (out_features, in_features) as float32 and are stored in the export dtype,
-or as MatMulNBits blobs when int4 quantization is on.
+Weights arrive in Hugging Face layout (out_features, in_features) as float32 NumPy arrays or Lazy tensors
+(export/lazy.py) and are stored in the export dtype, or as MatMulNBits blobs when int4 quantization is on.
+
+Given a DataFile, an initializer is written to it when it is made (`const`) and the graph keeps only a reference
+(export/external.py), so building a graph holds one tensor block at a time, whatever the model's size. Without one
+(tests that build a graph in memory) initializers are kept in the protos. Initializers under 1 KiB stay inline
+either way. An initializer is a name: any number of nodes may read it (a tied embedding and output projection).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .external import DataFile, external_tensor
+from .lazy import Lazy
 from .quant import quantize_int4
 
 MS = "com.microsoft"
@@ -20,11 +27,18 @@ OPSET = 21
 _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
                np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
                np.dtype(np.uint8): TensorProto.UINT8}
+INLINE_BYTES = 1024  # smaller initializers stay in the graph proto (as onnx's size_threshold did)
 
 
 class Graph:
-    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32):
+    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32,
+                 data: DataFile | None = None, accuracy_level: int = 4):
+        """data: the external-data file initializers are streamed to (its name is their location, so it must
+        lie beside the graph file). accuracy_level: MatMulNBits' (4: the CPU kernel quantizes activations to int8
+        per block; 1: float32)."""
         self.name = name
+        self.data = data
+        self.accuracy_level = accuracy_level
         self.np_dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
         self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
         self.quant = quant
@@ -61,6 +75,15 @@ class Graph:
         self._used.add(name)
         return name
 
+    def input_with_default(self, name: str, value: np.ndarray) -> str:
+        """A graph input that is also an initializer of the same name: callers may feed it, else the default holds
+        (ONNX IR >= 4; onnxruntime lists it under overridable initializers, not required inputs)."""
+        arr = np.asarray(value)
+        self.inputs.append(helper.make_tensor_value_info(name, _NP_TO_ONNX[arr.dtype], list(arr.shape)))
+        self._used.add(name)
+        self.initializers.append(numpy_helper.from_array(arr, name))
+        return name
+
     def output(self, value: str, name: str, elem: int, shape: list) -> str:
         """Expose `value` as graph output `name` (an Identity renames it when the names differ)."""
         if value != name:
@@ -78,13 +101,23 @@ class Graph:
         self.nodes.append(helper.make_node(op_type, inputs, outs, name=node_name, domain=domain, **attrs))
         return outs[0] if len(outs) == 1 else outs
 
-    def const(self, leaf: str, value: np.ndarray, keep_dtype: bool = False) -> str:
-        """An initializer; float arrays take the export dtype unless keep_dtype."""
-        arr = np.asarray(value)
-        if arr.dtype.kind == "f" and not keep_dtype:
-            arr = arr.astype(self.np_dtype)
+    def const(self, leaf: str, value, keep_dtype: bool = False) -> str:
+        """An initializer from a NumPy array or a Lazy tensor (written block by block); float values take the
+        export dtype unless keep_dtype. Returns its name."""
+        if not isinstance(value, Lazy):
+            value = np.asarray(value)
+        dtype = np.dtype(value.dtype)
+        if dtype.kind == "f" and not keep_dtype:
+            dtype = self.np_dtype
         name = self._unique(self._path(leaf))
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        nbytes = int(np.prod(value.shape, dtype=np.int64)) * dtype.itemsize
+        if self.data is None or nbytes < INLINE_BYTES:
+            arr = np.ascontiguousarray(np.asarray(value), dtype=dtype)
+            self.initializers.append(numpy_helper.from_array(arr, name))
+        else:
+            offset, length = self.data.append(value, dtype)
+            self.initializers.append(external_tensor(name, _NP_TO_ONNX[dtype], value.shape, self.data.path.name,
+                                                     offset, length))
         return name
 
     def ints(self, leaf: str, values) -> str:
@@ -98,17 +131,24 @@ class Graph:
         """x @ weight.T (+ bias); weight is (out_features, in_features)."""
         n, k = weight.shape
         with self.scope(leaf):
-            if self.quant == "int4" and k % self.block_size == 0 and k >= self.block_size:
+            if self.quantizes(k):
                 packed, scales, zeros = quantize_int4(weight, self.block_size)
-                y = self.op("MatMulNBits", [x, self.const("weight_q4", packed), self.const("scales", scales),
-                                            self.const("zero_points", zeros)],
-                            "MatMulNBits", domain=MS, K=k, N=n, bits=4, block_size=self.block_size,
-                            accuracy_level=1)
+                y = self.matmul_nbits(x, self.const("weight_q4", packed), self.const("scales", scales),
+                                      self.const("zero_points", zeros), n, k)
             else:
-                y = self.op("MatMul", [x, self.const("weight", np.ascontiguousarray(weight.T))], "MatMul")
+                y = self.op("MatMul", [x, self.const("weight", weight.T)], "MatMul")
             if bias is not None:
                 y = self.op("Add", [y, self.const("bias", bias)], "Add")
         return y
+
+    def quantizes(self, in_features: int) -> bool:
+        """Whether int4 quantization applies to a weight with this many input features (whole blocks only)."""
+        return self.quant == "int4" and in_features % self.block_size == 0 and in_features >= self.block_size
+
+    def matmul_nbits(self, x: str, packed: str, scales: str, zeros: str, n: int, k: int) -> str:
+        """x @ W.T for an int4 W (N, K) stored as MatMulNBits initializers (export/quant.py layout)."""
+        return self.op("MatMulNBits", [x, packed, scales, zeros], "MatMulNBits", domain=MS, K=k, N=n, bits=4,
+                       block_size=self.block_size, accuracy_level=self.accuracy_level)
 
     def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str) -> str:
         """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w)."""

@@ -4,14 +4,21 @@
     target, drafter = load("out/target"), load("out/drafter")
     gen = generate(target, "def fib(n):", drafter=drafter, max_new_tokens=64, draft_max=4)
     print(target.decode(gen.tokens), gen.stats.acceptance)
+
+    chat = ChatSession(target, drafter)                     # the export's chat template; state kept across turns
+    print("".join(chat.reply("Write a haiku.")))
+    gen = generate(target, [{"role": "user", "content": "Hi"}])   # messages: rendered with the chat template
 """
 
-from .context import Context, RollbackError, default_mode
+from .chat import ChatSession, PromptCache, chat
+from .context import PREFILL_CHUNK, Context, RollbackError, Rows, default_mode
+from .drafters import Draft, Drafter, ModelDrafter
 from .generation import Generator, final_text, generate, stream_text
 from .model import Model, load
 from .providers import PROVIDERS
 from .sampling import SamplingParams
 from .stats import Stats
 
-__all__ = ["Context", "Generator", "Model", "PROVIDERS", "RollbackError", "SamplingParams", "Stats", "final_text",
-           "default_mode", "generate", "load", "stream_text"]
+__all__ = ["ChatSession", "PromptCache", "chat", "Context", "Draft", "Drafter", "Generator", "Model", "ModelDrafter", "PREFILL_CHUNK", "PROVIDERS",
+           "RollbackError", "Rows", "SamplingParams", "Stats", "final_text", "default_mode", "generate", "load",
+           "stream_text"]

@@ -3,7 +3,9 @@
 With per-token acceptance a, a round drafting k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens on average and
 costs C(k+1) + k*c + r target-step units (C(n): target forward of n tokens relative to one; c: drafter step; r:
 rollback). The acceptance estimate is a decayed maximum-likelihood one: accepted / (accepted + rejections), since a
-round ends at its first rejection. Costs come from `measure_costs` on the live contexts, once per pair.
+round ends at its first rejection. Costs come from `measure_costs` on the live contexts, once per Generator unless
+the caller hands a Generator the costs another one measured (a chat session, the bench): never from a cache keyed
+by object ids, which outlive the sessions they named.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
     caches and thread pools as a round leaves them (timed apart, in warm loops, the drafter looked 25% cheaper
     than it is inside rounds). Sizes are interleaved within each repetition, so a slow spell of a shared machine
     spreads over all of them. Every measurement rolls back: the contexts end where they started.
+    With dctx None (a drafter without a model: n-gram lookup) only the target is timed and c = 0.
     """
     tokens = list(tokens or [1] * n_max)
     target_times = [[] for _ in range(n_max)]
@@ -73,17 +76,20 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
     for rep in range(reps + 1):  # repetition 0 warms every shape up and is not kept
         for n in range(1, n_max + 1):
             t0 = time.perf_counter()
-            tctx.forward(tokens[:n])
+            tctx.forward(tokens[:n], keep=n, logits=False)  # a greedy verify: n rows of ids
             t1 = time.perf_counter()
-            dctx.forward(tokens[:1])
-            dctx.forward(tokens[:1])
+            if dctx is not None:
+                dctx.forward(tokens[:1], keep=1, logits=False)
+                dctx.forward(tokens[:1], keep=1, logits=False)
             t3 = time.perf_counter()
             keep = 1 if n > 1 else 0  # a partial acceptance: both contexts roll back
             tctx.rollback(tctx.n_past - (n - keep))
-            dctx.rollback(dctx.n_past - (2 - keep))
+            if dctx is not None:
+                dctx.rollback(dctx.n_past - (2 - keep))
             t4 = time.perf_counter()
             tctx.rollback(tctx.n_past - keep)
-            dctx.rollback(dctx.n_past - keep)
+            if dctx is not None:
+                dctx.rollback(dctx.n_past - keep)
             if rep:
                 target_times[n - 1].append(t1 - t0)
                 drafter_times.append((t3 - t1) / 2)  # the first step after the target also pays the switch
@@ -91,6 +97,6 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
                     rollback_times.append(t4 - t3)
     raw = [float(np.median(ts)) for ts in target_times]
     unit = raw[0]
-    c = float(np.median(drafter_times))
+    c = float(np.median(drafter_times)) if dctx is not None else 0.0
     r = float(np.median(rollback_times)) if rollback_times else 0.0
     return Costs([x / unit for x in raw], c / unit, r / unit, unit)

@@ -1,23 +1,20 @@
-"""A sequence's state store: KV buffers, recurrent state slots, and the rollback modes they allow.
+"""A sequence's context: the state stores its model's manifest asks for, the tokens consumed so far, and forward.
 
-Buffers are allocated once, from the manifest's state table, for a given context size and window, and bound through
-IOBinding, so the KV cache and recurrent state never travel to the host between steps:
+The stores (state/) keep the KV cache and the recurrent state on the device between calls and know how to roll
+back; the context only asks them. `forward(tokens, keep=n, logits=...)` returns the last n rows only: token ids
+always (the argmax the graph computes when it has a `next_tokens` output, else computed on the host) and logits
+rows only when asked (sampling). A graph with a `logits_to_keep` input computes and copies only those rows; an older
+export computes every row and the host slices them. Prefill runs in chunks, so a long prompt never makes a
+[prompt, vocab] logits tensor. The attention mask is a view of one ones-buffer, bound by pointer.
 
-  kv         one shared past/present buffer per attention layer; rollback = a shorter attention_mask (truncate)
-  recurrent  S slots of (conv, recurrent) state per linear layer. A forward reads slot `cur` and writes another
-             slot, so the state before the call survives it. Each slot knows the position its state belongs to.
-             ring:   S = W + 1 slots; one-token steps leave the state of each of the last W positions in a slot,
-                     and rollback picks a slot (no copy, no compute). Natural for the drafter.
-             replay: S = 2 slots; the forward also returns the per-token transition inputs of its tokens, and the
-                     replay graph advances the saved start state over an accepted prefix. Natural for the target.
-             window: a state-window export (CUDA) returns the state after each of its last W tokens, [W, ...]. Two
-                     arenas of 2W-1 states each: a forward writes the other arena's last W states, and any of them
-                     becomes the next input by binding past_* at an offset that ends on it (only slot W-1 of
-                     past_* is read). Rollback picks a state: no copy, no compute; it undoes up to W-1 tokens of
-                     the last forward, or all of them.
-  checkpoint a full copy of the current slot, restored in place (bound addresses stay valid); the fallback.
+On a model loaded with `cuda_graph=N`, forwards of up to N tokens take the fixed-address path of cuda_graph.py
+(captured once per token count, kept rows and state binding, then replayed); the others run as usual with
+gpu_graph_id -1, and their device outputs (rollback data) go to buffers this context owns: an output onnxruntime
+allocated from the session's arena could sit where a captured graph keeps its intermediates, and a replay would
+overwrite it.
 
-Model code knows nothing of this; the speculative loop asks `can_rollback` and refuses loudly when it cannot.
+The context records the tokens it consumed: `resume(prompt)` keeps the longest common prefix it can return to (a
+rollback within reach, else a reset), so a multi-turn session prefills only what is new.
 """
 
 from __future__ import annotations
@@ -25,12 +22,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime as ort
 
 from snapspec import SnapspecError
 
+from .cuda_graph import SKIP, CapturedSteps, GraphSession
+from .device_copy import Copier
 from .model import Model
+from .state import allocate
+from .state.checkpoint import Checkpoint
+from .state.kv import KVCache
+from .state.replay import ReplayState
+from .state.ring import RingState
+from .state.window import WindowState
 
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activations and per-token rollback data of a long prompt
 _RECURRENT = ("conv", "recurrent")
 
 
@@ -39,28 +44,27 @@ class RollbackError(SnapspecError):
 
 
 @dataclass
-class _Forward:
-    """What the last forward call left behind for a replay."""
+class Rows:
+    """What a forward returns for its kept rows."""
 
-    start: int  # position before the call
-    length: int  # tokens it consumed that are still accepted
-    in_slot: int
-    out_slot: int
-    data: ort.OrtValue  # the packed rollback data [1, T, width] of that call
+    ids: np.ndarray  # [kept] int64: the argmax of each kept row
+    logits: np.ndarray | None  # [kept, vocab] float32 on the host, when asked for
+    forwards: int = 1  # forward calls that produced it (a chunked prefill makes several)
 
 
 class Context:
     def __init__(self, model: Model, max_len: int | None = None, *, mode: str | None = None,
-                 window: int | None = None, poison: bool = False):
+                 window: int | None = None, poison: bool = False, graph_tokens: int | None = None):
         """mode: replay | ring | window for the recurrent state (default: the target's, `default_mode`; ignored by
-        pure-attention models); window: W."""
+        pure-attention models); window: W, the deepest bounded rollback. poison: buffers start NaN, so reading
+        state that was never written shows (tests). graph_tokens: forwards of up to this many tokens take the
+        fixed-address path (default: the model's cuda_graph; on CPU the path runs without capture, for tests)."""
         self.model = model
-        mode = mode or default_mode(model)
         m = model.manifest
+        mode = mode or default_mode(model)
         self.max_len = int(max_len or m.max_context)
         if self.max_len > m.max_context:
             raise SnapspecError(f"context {self.max_len} exceeds the export's max_context {m.max_context}")
-        self.window = int(window or m.rollback["window"])
         if mode not in ("replay", "ring", "window"):
             raise SnapspecError(f"unknown recurrent rollback mode {mode!r}")
         windowed = model.state_window is not None
@@ -69,148 +73,208 @@ class Context:
                                 f"model runs the {'state-window' if windowed else 'forward'} graph")
         if mode == "replay" and model.replay is None and model.has_recurrent:
             raise SnapspecError(f"{m.folder} has no replay graph; use ring or checkpoint rollback")
-        self.mode = mode if model.has_recurrent else "truncate"
-        if self.mode == "window":
-            self.window = int(model.state_window)  # fixed by the graph's state_window
-        self.poison = poison
+        self.window = int(window or m.rollback["window"])
         self.device = model.device
-        # poison: NaN-fill the buffers, so reading state that was never written shows. Not the KV buffers on a GPU:
-        # the CUDA attention kernel reads the whole buffer and masks by multiplying (NaN * 0 = NaN).
+        self.copy = Copier(self.device)
+        # Not the KV buffers on a GPU: the CUDA attention kernel reads the whole buffer and masks by multiplying
+        # (NaN * 0 = NaN).
         kv_fill = np.nan if poison and self.device == "cpu" else 0.0
-        self.kv = {s["name"]: self._alloc(s, fill=kv_fill)
-                   for s in m.state if s["role"].startswith("kv")}
-        self.kv_out = {s["output"]: s["name"] for s in m.state if s["role"].startswith("kv")}
-        self.rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
-        if self.mode == "window":  # the state-window graph: one leading axis of W states
-            self.rec_specs = [{**s, "shape": [self.window] + list(s["shape"])} for s in self.rec_specs]
-        n_slots = (self.window + 1 if mode == "ring" else 2) if self.rec_specs else 0
-        arena = 2 * self.window - 1 if self.mode == "window" else None  # states per slot (window mode)
-        self.slots = [{s["name"]: self._alloc(s, fill=np.nan if poison else 0.0, states=arena)
-                       for s in self.rec_specs} for _ in range(n_slots)]
-        self.win_states: dict[int, tuple[int, int]] = {}  # window mode: position -> (slot, state index)
-        self.slot_pos: list[int | None] = [None] * n_slots
+        rec_fill = np.nan if poison else 0.0
+        kv_specs = [s for s in m.state if s["role"].startswith("kv")]
+        rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
+        self.kv = KVCache(kv_specs, self.max_len, self.device, kv_fill) if kv_specs else None
+        self.recurrent = None
+        if rec_specs:
+            if mode == "window":
+                self.window = int(model.state_window)  # fixed by the graph
+                self.recurrent = WindowState(rec_specs, self.window, self.device, self.copy, rec_fill)
+            elif mode == "replay":
+                self.recurrent = ReplayState(rec_specs, model.replay, self.window, self.device, self.copy,
+                                             rec_fill)
+            else:
+                self.recurrent = RingState(rec_specs, self.window, self.device, self.copy, rec_fill)
+        self.stores = [s for s in (self.kv, self.recurrent) if s is not None]
+        self._saved = Checkpoint(self.recurrent, self.device, self.copy) if self.recurrent else None
         self._checkpoint: int | None = None
-        self._checkpoint_values: dict | None = None
-        self._checkpoint_state: tuple[int, int] | None = None
-        self._zeros: dict | None = None
-        self.packed_rollback = m.rollback_data is not None and not windowed  # the state-window graph has none
+        session = model.session
+        # logits_to_keep is an overridable initializer (default: every row), which onnxruntime lists apart
+        inputs = {i.name for i in session.get_inputs() + session.get_overridable_initializers()}
+        outputs = {o.name for o in session.get_outputs()}
+        self.keeps_rows = "logits_to_keep" in inputs  # the graph computes only the kept rows
+        self.argmax_in_graph = "next_tokens" in outputs
+        self._ones = np.ones((1, self.max_len), dtype=np.int64)  # attention_mask: a prefix of it, bound by pointer
+        # logits_to_keep is bound by pointer too: onnxruntime's IOBinding refuses a NumPy array for an overridable
+        # initializer (bind_cpu_input looks it up among the required inputs), not a pointer.
+        self._keep = np.zeros((), dtype=np.int64)
         self._bindings: dict = {}
+        self._outputs = {o.name: o for o in model.session.get_outputs()}
+        self._extra: list[str] | None = None  # outputs no store binds (rollback data): bound per call
+        self.graph_tokens = model.graph_tokens if graph_tokens is None else int(graph_tokens)
+        self.steps = None
+        if self.graph_tokens:
+            if model.position_ids(0, 1) is None or model.position_ids(0, 1).ndim != 2:
+                raise SnapspecError("the fixed-address (CUDA graph) path needs a graph with [1, T] position_ids")
+            self.steps = CapturedSteps(model.graphs or GraphSession(model.session), self.device, self.max_len)
+        self._run_options = SKIP if model.graphs is not None else None
+        self._pinned: list = []  # host scalars that fixed-address bindings point to
+        self._scratch: dict = {}  # graph mode: per-call device outputs of ordinary runs, [1, T, ...], grown on demand
         self.reset()
 
-    # -- allocation ---------------------------------------------------------------------------------------------
-    def _shape(self, spec: dict) -> list[int]:
-        return [1 if d == "batch" else self.max_len if d == "context" else int(d) for d in spec["shape"]]
-
-    def _alloc(self, spec: dict, fill: float, states: int | None = None) -> ort.OrtValue:
-        """A buffer of the spec's shape; with `states`, that many states along the leading (window) axis."""
-        shape = self._shape(spec)
-        if states is not None:
-            shape[0] = states
-        host = np.full(shape, fill, dtype=_dtype(spec))
-        return ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
+    @property
+    def mode(self) -> str:
+        return self.recurrent.mode if self.recurrent else "truncate"
 
     @property
     def depth(self) -> int:
         """The most tokens of a verify forward that bounded rollback can undo."""
-        return self.window - 1 if self.mode == "window" else self.window
+        return self.recurrent.depth if self.recurrent else self.window
 
-    # -- position bookkeeping --------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes of state buffers held: KV for max_len positions, recurrent slots, a checkpoint copy once made."""
+        return sum(s.nbytes for s in self.stores) + (self._saved.nbytes if self._saved else 0)
+
     def reset(self) -> None:
-        """Empty the sequence: position 0, zero recurrent state in slot 0."""
+        """Empty the sequence: position 0, zero recurrent state."""
         self.n_past = 0
-        self._last: _Forward | None = None
+        self.tokens: list[int] = []
         self._checkpoint = None
-        if self.slots:
-            if self._zeros is None:  # kept alive: device copies may complete after this call returns
-                self._zeros = {spec["name"]: self._like(spec) for spec in self.rec_specs}
-            for spec in self.rec_specs:
-                _copy(self._zeros[spec["name"]], self.slots[0][spec["name"]])
-            self.slot_pos = [0] + [None] * (len(self.slots) - 1)
-            self.cur = 0
-            self.win_states = {0: (0, 2 * self.window - 2)} if self.mode == "window" else {}
-
-    def _like(self, spec: dict) -> ort.OrtValue:
-        """A zero buffer shaped like one slot of `spec`."""
-        return self._alloc(spec, 0.0, states=2 * self.window - 1 if self.mode == "window" else None)
+        for s in self.stores:
+            s.reset()
 
     # -- forward ----------------------------------------------------------------------------------------------------
-    def forward(self, tokens, all_logits: bool = True) -> np.ndarray:
-        """Consume tokens; return their logits rows [T, vocab] (float32, host)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
-        t = tokens.shape[1]
+    def forward(self, tokens, keep: int | None = None, logits: bool = True) -> Rows:
+        """Consume tokens; return the last `keep` rows (all by default): ids, and logits when `logits`."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
+        t = ids.shape[1]
         if t == 0:
             raise SnapspecError("forward of zero tokens")
+        keep = t if keep is None else int(keep)
+        if not 1 <= keep <= t:
+            raise SnapspecError(f"keep must be 1..{t} rows, got {keep}")
         if self.n_past + t > self.max_len:
             raise SnapspecError(f"context full: {self.n_past} + {t} tokens exceed the context of {self.max_len}")
-        out_slot = self._next_slot() if self.slots else None
-        in_key = (self.win_states[self.n_past] if self.mode == "window" else self.cur) if self.slots else None
-        b, order = self._forward_binding(in_key, out_slot)
-        b.bind_cpu_input("input_ids", tokens)
+        keys = tuple(s.key(self.n_past) for s in self.stores)
+        if self.steps is not None and t <= self.graph_tokens and self.steps.can_run((keys, t, keep)):
+            outs = self.steps.run((keys, t, keep), ids[0], self.n_past, lambda b: self._bind_fixed(b, keys, t, keep))
+            # Copies (a device read is one; on CPU, numpy() views a buffer that the next replay rewrites).
+            rows = outs["logits"].numpy()[0, -keep:].copy() if logits or not self.argmax_in_graph else None
+            best = outs["next_tokens"].numpy()[0, -keep:].copy() if self.argmax_in_graph else rows.argmax(axis=-1)
+            self._advance(keys, ids, outs)
+            return Rows(best, rows if logits else None)
+        host_logits = logits or not self.argmax_in_graph
+        b, order = self._binding(keys, host_logits)
+        b.bind_cpu_input("input_ids", ids)
         positions = self.model.position_ids(self.n_past, t)
         if positions is not None:
             b.bind_cpu_input("position_ids", positions)
-        b.bind_cpu_input("attention_mask", np.ones((1, self.n_past + t), dtype=np.int64))
-        # Outputs whose shape depends on t are re-bound each call, so each run allocates them afresh.
-        b.bind_output("logits", "cpu")  # sampling runs on the host: logits come back, state stays
-        if self.packed_rollback:
-            b.bind_output("rollback_data", self.device)
-        self.model.session.run_with_iobinding(b)
+        b.bind_input("attention_mask", "cpu", 0, np.int64, [1, self.n_past + t], self._ones.ctypes.data)
+        if self.keeps_rows:
+            self._keep[()] = keep
+            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], self._keep.ctypes.data)
+        # Outputs whose shape depends on the call are bound afresh, so each run allocates them (a returned view
+        # of the last call's logits stays valid).
+        for name in self._extra:
+            if self._run_options is not None:  # this session replays graphs: no arena-allocated outputs
+                dims, dt = self._output_shape(name, t, keep)
+                b.bind_output(name, self.device, 0, dt, dims, self._scratch_for(name, dims, dt).data_ptr())
+            else:
+                b.bind_output(name, self.device)
+        if host_logits:
+            b.bind_output("logits", "cpu")
+        if self.argmax_in_graph:
+            b.bind_output("next_tokens", "cpu")
+        self.model.session.run_with_iobinding(b, self._run_options)
         outs = dict(zip(order, b.get_outputs()))
-        logits = outs["logits"].numpy()[0]
-        if self.slots:
-            if self.mode == "replay":
-                self._last = _Forward(self.n_past, t, self.cur, out_slot, outs["rollback_data"])
-            if self.mode == "window":  # the state after token i of this call: state 2W-1-t+i of the new slot
-                w = self.window
-                self.win_states = {self.n_past: self.win_states[self.n_past]}
-                self.win_states.update({self.n_past + i + 1: (out_slot, 2 * w - 1 - t + i)
-                                        for i in range(max(0, t - w), t)})
-            self.slot_pos[out_slot] = self.n_past + t
-            self.cur = out_slot
-        self.n_past += t
-        return logits
+        self._advance(keys, ids, outs)
+        rows = outs["logits"].numpy()[0, -keep:] if host_logits else None
+        if self.argmax_in_graph:
+            best = outs["next_tokens"].numpy()[0, -keep:]
+        else:
+            best = rows.argmax(axis=-1)
+        return Rows(best, rows if logits else None)
 
-    def _forward_binding(self, in_slot, out_slot):
-        """One IOBinding per (input slot, output slot) pair, made once: state bindings never change, so a call only
-        binds its tokens. get_outputs() follows the order in which names were first bound, recorded here."""
-        key = (in_slot, out_slot)
+    def _advance(self, keys: tuple, ids: np.ndarray, outs: dict) -> None:
+        t = ids.shape[1]
+        for s, key in zip(self.stores, keys):
+            s.advanced(self.n_past, t, key, outs)
+        self.n_past += t
+        self.tokens.extend(ids[0].tolist())
+
+    def prefill(self, tokens, chunk: int | None = None, logits: bool = True) -> Rows:
+        """Consume tokens in forwards of at most `chunk` tokens; return the last row (its logits when asked)."""
+        chunk = int(chunk or PREFILL_CHUNK)
+        if chunk < 1:
+            raise SnapspecError(f"prefill chunk must be >= 1 token, got {chunk}")
+        tokens = list(tokens)
+        if not tokens:
+            raise SnapspecError("prefill of zero tokens")
+        calls = 0
+        for i in range(0, len(tokens), chunk):
+            last = i + chunk >= len(tokens)
+            rows = self.forward(tokens[i:i + chunk], keep=1, logits=logits and last)
+            calls += 1
+        rows.forwards = calls
+        return rows
+
+    def _binding(self, keys: tuple, host_logits: bool):
+        """One IOBinding per combination of store keys (and whether logits come back), made once: state bindings
+        never change, so a call binds only its tokens. get_outputs() follows the order in which names were first
+        bound, recorded here."""
+        key = (keys, host_logits)
         if key not in self._bindings:
             b = self.model.session.io_binding()
             order = []
-            for past, value in self.kv.items():
-                b.bind_ortvalue_input(past, value)
-            for present, past in self.kv_out.items():
-                b.bind_ortvalue_output(present, self.kv[past])
-                order.append(present)
-            for spec in self.rec_specs:
-                if self.mode == "window":
-                    self._bind_window(b, spec, in_slot, out_slot)
-                else:
-                    b.bind_ortvalue_input(spec["name"], self.slots[in_slot][spec["name"]])
-                    b.bind_ortvalue_output(spec["output"], self.slots[out_slot][spec["name"]])
-                order.append(spec["output"])
-            b.bind_output("logits", "cpu")
-            order.append("logits")
-            if self.packed_rollback:
-                b.bind_output("rollback_data", self.device)
-                order.append("rollback_data")
+            for s, k in zip(self.stores, keys):
+                order += s.bind(b, k)
+            if self._extra is None:
+                self._extra = [n for n in self._outputs if n not in order and n not in ("logits", "next_tokens")]
+            for name in self._extra:
+                b.bind_output(name, self.device)
+                order.append(name)
+            if host_logits:
+                b.bind_output("logits", "cpu")  # sampling runs on the host: logits come back, state stays
+                order.append("logits")
+            if self.argmax_in_graph:
+                b.bind_output("next_tokens", "cpu")
+                order.append("next_tokens")
             self._bindings[key] = (b, order)
         return self._bindings[key]
 
-    def _bind_window(self, b: ort.IOBinding, spec: dict, state: tuple[int, int], out_slot: int) -> None:
-        """past_* = the W states ending on `state` (slot, index); present_* = the last W states of out_slot."""
-        w, (slot, index) = self.window, state
-        value, out = self.slots[slot][spec["name"]], self.slots[out_slot][spec["name"]]
-        shape = self._shape(spec)
-        size = int(np.prod(shape[1:])) * np.dtype(_dtype(spec)).itemsize
-        b.bind_input(spec["name"], self.device, 0, _dtype(spec), shape, value.data_ptr() + (index - w + 1) * size)
-        b.bind_output(spec["output"], self.device, 0, _dtype(spec), shape, out.data_ptr() + (w - 1) * size)
+    def _bind_fixed(self, b, keys: tuple, t: int, keep: int) -> dict:
+        """A fixed-address forward's binding, made once per key: the state where the stores keep it, every other
+        output in a buffer of its own (read back after each replay)."""
+        bound = []
+        for s, k in zip(self.stores, keys):
+            bound += s.bind(b, k)
+        if self.keeps_rows and keep < t:  # a shape input, read on the host at capture; 0 (the default) keeps all
+            value = np.array(keep, dtype=np.int64)
+            self._pinned.append(value)  # bound by pointer (see _keep): it must outlive the binding
+            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], value.ctypes.data)
+        outs = {}
+        for name in self._outputs:
+            if name not in bound:
+                dims, dt = self._output_shape(name, t, keep)
+                outs[name] = allocate(dims, dt, self.device, 0)
+                b.bind_ortvalue_output(name, outs[name])
+        return outs
 
-    def _next_slot(self) -> int:
-        """Ring: the slot after cur (overwrites the oldest). Replay: the other slot."""
-        return (self.cur + 1) % len(self.slots)
+    def _output_shape(self, name: str, t: int, keep: int) -> tuple[list[int], type]:
+        """A graph output's shape for a call of t tokens keeping `keep` rows, from the graph's own dimensions."""
+        o = self._outputs[name]
+        sizes = {"batch": 1, "sequence": t, "kept": keep if self.keeps_rows else t}
+        dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
+        return dims, {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}[o.type]
 
-    # -- rollback -----------------------------------------------------------------------------------------------------
+    def _scratch_for(self, name: str, dims: list[int], dt) -> object:
+        """A context-owned device buffer holding at least dims (grown, never shrunk)."""
+        need = int(np.prod(dims))
+        have = self._scratch.get(name)
+        if have is None or int(np.prod(have.shape())) < need:
+            self._scratch[name] = allocate([need], dt, self.device, 0)
+        return self._scratch[name]
+
+    # -- rollback -------------------------------------------------------------------------------------------------
     def can_rollback(self, n: int) -> str | None:
         """The mode that can undo the last n tokens, or None (the caller then needs checkpoint/restore)."""
         pos = self.n_past - n
@@ -218,16 +282,10 @@ class Context:
             return None
         if n == 0:
             return "none"
-        if not self.slots:
-            return "truncate"
-        if self.mode == "window":
-            return "window" if pos in self.win_states else None
-        if pos in self.slot_pos:
-            return "ring" if self.mode == "ring" else "replay"
-        last = self._last
-        if last is not None and last.start <= pos < last.start + last.length and self.slot_pos[last.in_slot] == last.start:
-            return "replay"
-        return None
+        modes = [s.reach(pos) for s in self.stores]
+        if None in modes:
+            return None
+        return self.mode
 
     def rollback(self, pos: int) -> str:
         """Return to position pos (keep the first pos tokens). Returns the mode used."""
@@ -235,83 +293,62 @@ class Context:
         if mode is None:
             raise RollbackError(f"cannot roll back from {self.n_past} to {pos}: beyond the rollback window "
                                 f"(mode {self.mode}, window {self.window}); use checkpoint()/restore()")
-        if mode == "window":
-            self.cur = self.win_states[pos][0]
-            self.win_states = {p: s for p, s in self.win_states.items() if p <= pos}
-        elif pos in self.slot_pos:
-            self.cur = self.slot_pos.index(pos)
-        elif mode == "replay":
-            self._replay(pos)
+        if mode != "none":
+            for s in self.stores:
+                s.rollback(pos)
         self.n_past = pos
-        self._invalidate_after(pos)
+        del self.tokens[pos:]
         if self._checkpoint is not None and pos < self._checkpoint:
             # The next forward overwrites KV rows the checkpoint relies on: restore() must refuse, not drift.
             self._checkpoint = None
         return mode
 
-    def _replay(self, pos: int) -> None:
-        last = self._last
-        key = ("replay", last.in_slot, last.out_slot)
-        if key not in self._bindings:
-            b = self.model.replay.io_binding()
-            for spec in self.rec_specs:
-                b.bind_ortvalue_input(spec["name"], self.slots[last.in_slot][spec["name"]])
-                b.bind_ortvalue_output(spec["output"], self.slots[last.out_slot][spec["name"]])
-            self._bindings[key] = b
-        b = self._bindings[key]
-        _bind_prefix(b, "rollback_data", last.data, pos - last.start, self.device)
-        self.model.replay.run_with_iobinding(b)
-        self.slot_pos[last.out_slot] = pos
-        self.cur = last.out_slot
+    def positions(self) -> set[int] | None:
+        """Every position rollback() can return to now (None: any, an attention-only model)."""
+        reach = [p for p in (s.positions() for s in self.stores) if p is not None]
+        if not reach:
+            return None
+        return set.intersection(*reach) | {self.n_past}
 
-    def _invalidate_after(self, pos: int) -> None:
-        for i, p in enumerate(self.slot_pos):
-            if p is not None and p > pos:
-                self.slot_pos[i] = None
-        if self._last is not None:
-            self._last.length = min(self._last.length, pos - self._last.start)
-            if self._last.length <= 0 or self.slot_pos[self._last.in_slot] != self._last.start:
-                self._last = None
+    def resume(self, tokens) -> int:
+        """Keep the longest prefix of `tokens` that this context holds and can return to, short of the last token
+        (the caller feeds at least one, for its logits); reset when there is none. Returns the length kept."""
+        tokens = list(tokens)
+        limit = min(len(tokens) - 1, self.n_past)
+        common = 0
+        while common < limit and self.tokens[common] == tokens[common]:
+            common += 1
+        reachable = self.positions()
+        if reachable is not None:
+            common = max((p for p in reachable if p <= common), default=0)
+        if common == 0:
+            self.reset()
+        elif common < self.n_past:
+            self.rollback(common)
+        return common
 
-    # -- checkpoint ----------------------------------------------------------------------------------------------
+    # -- checkpoint -------------------------------------------------------------------------------------------
     def checkpoint(self) -> None:
-        """Copy the current recurrent state aside, on the device (KV needs no copy: truncation restores it). Window
-        mode copies the whole slot that holds it."""
-        if self.slots:
-            if self._checkpoint_values is None:
-                self._checkpoint_values = {spec["name"]: self._like(spec) for spec in self.rec_specs}
-            for name, value in self._checkpoint_values.items():
-                _copy(self.slots[self.cur][name], value)
-            self._checkpoint_state = self.win_states.get(self.n_past)
+        """Copy the current recurrent state aside, on the device (KV needs no copy: truncation restores it)."""
+        if self._saved:
+            self._saved.save(self.n_past)
         self._checkpoint = self.n_past
 
     def restore(self) -> None:
-        """Copy the checkpoint back into the current slot (its bound address does not change)."""
+        """Copy the checkpoint back (into the buffers it came from: bound addresses do not change)."""
         if self._checkpoint is None:
             raise SnapspecError("restore() without checkpoint()")
-        if self.slots:
-            if self.mode == "window":  # the whole slot comes back, so the state sits where it was
-                self.cur = self._checkpoint_state[0]
-                self.win_states = {self._checkpoint: self._checkpoint_state}
-            for name, value in self._checkpoint_values.items():
-                _copy(value, self.slots[self.cur][name])
-            self.slot_pos = [None] * len(self.slots)
-            self.slot_pos[self.cur] = self._checkpoint
+        if self._saved:
+            self._saved.restore(self._checkpoint)
         self.n_past = self._checkpoint
-        self._last = None
+        del self.tokens[self.n_past:]
 
     # -- inspection (tests, conformance) ------------------------------------------------------------------------
     def state_snapshot(self) -> dict[str, np.ndarray]:
-        """Host copies of the live state: KV rows [:n_past] and the current recurrent slot."""
+        """Host copies of the live state: KV rows [:n_past] and the current recurrent state."""
         out = {}
-        for name, value in self.kv.items():
-            out[name] = host_array(value)[:, :, : self.n_past].copy()
-        for spec in self.rec_specs:
-            if self.mode == "window":
-                slot, index = self.win_states[self.n_past]
-                out[spec["name"]] = host_array(self.slots[slot][spec["name"]])[index:index + 1].copy()
-            else:
-                out[spec["name"]] = host_array(self.slots[self.cur][spec["name"]]).copy()
+        for s in self.stores:
+            out.update(s.snapshot(self.n_past))
         return out
 
 
@@ -320,37 +357,3 @@ def default_mode(model: Model, role: str = "target") -> str:
     if model.state_window is not None:
         return "window"
     return "replay" if role == "target" and model.replay is not None else "ring"
-
-
-def _dtype(spec: dict):
-    return np.float32 if spec["dtype"] == "float32" else np.float16
-
-
-def host_array(value: ort.OrtValue) -> np.ndarray:
-    """A NumPy view (CPU) or a synchronous copy (device) of an OrtValue."""
-    return value.numpy()
-
-
-_DEVICE_COPY = {"ok": True}
-
-
-def _copy(src: ort.OrtValue, dst: ort.OrtValue) -> None:
-    """dst <- src in place. Device to device where onnxruntime registers a data transfer for the device (the
-    plugin EPs, WebGPU); the built-in CUDA EP registers none, so there it goes through the host."""
-    if src.device_name() == "cpu" and dst.device_name() == "cpu":
-        np.copyto(dst.numpy(), src.numpy())
-        return
-    if _DEVICE_COPY["ok"]:
-        try:
-            ort.copy_tensors([src], [dst], None)
-            return
-        except RuntimeError:
-            _DEVICE_COPY["ok"] = False
-    dst.update_inplace(src.numpy())
-
-
-def _bind_prefix(binding: ort.IOBinding, name: str, value: ort.OrtValue, j: int, device: str) -> None:
-    """Bind the first j tokens of a [1, T, ...] tensor without a copy (a prefix of a batch-1 buffer is contiguous)."""
-    shape = value.shape()
-    dtype = np.float32 if value.data_type() == "tensor(float)" else np.float16
-    binding.bind_input(name, device, 0, dtype, [shape[0], j] + list(shape[2:]), value.data_ptr())

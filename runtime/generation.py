@@ -1,10 +1,10 @@
-"""Plain and speculative generation over contexts, with stop handling and streaming.
+"""Plain and speculative generation over contexts: prefill (chunked, resumed), the loop, stops, streaming.
 
-The speculative round (design.md): draft k tokens with the drafter, verify [t0, d1..dk] in one target forward,
-accept a prefix, emit it plus one target token, roll both contexts back to the accepted position. A round that
-bounded rollback cannot serve (draft longer than the window, a context without rollback, or rollback forced to
-checkpoint) copies the recurrent state before drafting, restores it after, and lets the next forward re-decode the
-accepted tokens. Counters count every round either way.
+A Generator runs once. Given contexts that already hold tokens (a previous turn), it keeps the longest common prefix
+of those tokens and its prompt that the contexts can return to and prefills only the rest. Contexts are sized to
+what the generation needs (prompt + max new tokens + the rollback window) unless told otherwise. The speculative
+round itself is speculative.py; what drafts is a Drafter (drafters.py). Stop strings are checked on text decoded
+incrementally (each token once), not by decoding the whole sequence every round.
 """
 
 from __future__ import annotations
@@ -13,14 +13,18 @@ import logging
 from typing import Iterator
 
 import numpy as np
+from tokenizers.decoders import DecodeStream
 
 from snapspec import SnapspecError
 
 from . import genai_folder
-from .adaptive import Costs, DraftLengthChooser, measure_costs
-from .context import Context, default_mode
+from .adaptive import Costs, DraftLengthChooser
+from .context import PREFILL_CHUNK, Context, Rows, default_mode
+from .drafters import Drafter, ModelDrafter
 from .model import Model
-from .sampling import SamplingParams, accept, check_finite, pick
+from .ngram import NgramDrafter
+from .sampling import SamplingParams, check_finite, pick
+from .speculative import speculative_round
 from .stats import Stats
 
 log = logging.getLogger("snapspec")
@@ -33,14 +37,21 @@ def check_pair(target: Model, drafter: Model) -> None:
 
 
 class Generator:
-    """Iterate to get the new token ids of each step or round; read tokens, stats, stop_reason after."""
+    """Iterate (once) to get the new token ids of each step or round; read tokens, text, stats, stop_reason after.
 
-    def __init__(self, target: Model, prompt_ids, *, drafter: Model | None = None, max_new_tokens: int = 128,
-                 sampling: SamplingParams = SamplingParams(), draft_max: int = 4, rollback: str = "auto",
-                 stop_strings=(), stop_at_eos: bool = True, context: int | None = None, window: int | None = None,
-                 target_ctx: Context | None = None, drafter_ctx: Context | None = None, poison: bool = False,
-                 costs: Costs | None = None):
-        self.target, self.drafter = target, drafter
+    drafter: a Model (drafted by a ModelDrafter over its own context), "ngram" (prompt lookup: an NgramDrafter) or
+    any Drafter. context: the context length to
+    allocate (default: prompt + max_new_tokens + window, within the exports' max_context). target_ctx / drafter_ctx:
+    contexts to reuse; what they already hold is resumed. costs: the cost model for draft_max="auto" (default:
+    measured on the live contexts at the start; read it back from `costs` to reuse it in the next Generator).
+    """
+
+    def __init__(self, target: Model, prompt_ids, *, drafter: Model | Drafter | str | None = None,
+                 max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), draft_max: int | str = 4,
+                 rollback: str = "auto", stop_strings=(), stop_at_eos: bool = True, context: int | None = None,
+                 window: int | None = None, target_ctx: Context | None = None, drafter_ctx: Context | None = None,
+                 poison: bool = False, costs: Costs | None = None, prefill_chunk: int | None = None):
+        self.target = target
         self.prompt = [int(t) for t in prompt_ids]
         if not self.prompt:
             raise SnapspecError("empty prompt: give at least one token of text")
@@ -48,48 +59,69 @@ class Generator:
             raise SnapspecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
         if rollback not in ("auto", "checkpoint"):
             raise SnapspecError(f"rollback must be auto or checkpoint, got {rollback!r}")
+        if prefill_chunk is not None and int(prefill_chunk) < 1:
+            raise SnapspecError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
+        if drafter is not None and draft_max != "auto" and int(draft_max) < 1:
+            raise SnapspecError(f"draft length must be >= 1 (got {draft_max}); omit --drafter for plain decoding")
+        if isinstance(drafter, str):
+            if drafter != "ngram":
+                raise SnapspecError(f"drafter must be a loaded Model, a Drafter or \"ngram\", got {drafter!r}")
+            drafter = NgramDrafter(target.vocab_size)  # prompt lookup, no drafter model (ngram.py)
         self.max_new = max_new_tokens
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.eos = set(target.eos_ids) if stop_at_eos else set()
         self.window = int(window or target.manifest.rollback["window"])
+        self.prefill_chunk = int(prefill_chunk or PREFILL_CHUNK)
         self.stats = Stats(prompt_tokens=len(self.prompt))
         self.tokens: list[int] = []
+        self.seq: list[int] = list(self.prompt)  # prompt + tokens
         self.stop_reason: str | None = None
-        self.modes_used: set[str] = set()
         self._warned: set[str] = set()
-        ctx_len = context or target.manifest.max_context
-        if drafter is not None:
+        self._started = False
+        self._text = _TextStream(target.tokenizer)
+        # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
+        # calibration times forwards of up to W + 1 tokens after the prompt).
+        ctx_len = context or min(target.manifest.max_context, len(self.prompt) + max_new_tokens + self.window)
+        if isinstance(drafter, Model):
             check_pair(target, drafter)
             ctx_len = min(ctx_len, drafter.manifest.max_context)
-            if draft_max != "auto" and int(draft_max) < 1:
-                raise SnapspecError(f"draft length must be >= 1 (got {draft_max}); omit --drafter for plain decoding")
-        if len(self.prompt) >= ctx_len:
-            raise SnapspecError(f"prompt of {len(self.prompt)} tokens does not fit the context of {ctx_len} "
+        self.tctx = target_ctx or Context(target, ctx_len, mode=default_mode(target), window=self.window,
+                                          poison=poison)
+        self.dctx: Context | None = None
+        self.drafter: Drafter | None = None
+        if isinstance(drafter, Model):
+            self.dctx = drafter_ctx or Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
+                                               window=self.window, poison=poison)
+            self.drafter = ModelDrafter(self.dctx, self.prefill_chunk)
+        elif drafter is not None:
+            if drafter_ctx is not None:
+                raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
+            self.drafter = drafter
+            self.dctx = drafter.ctx
+        if self.drafter is not None and self.tctx.recurrent:
+            self.window = min(self.window, self.tctx.depth)  # the deepest verify the target can undo (window: W-1)
+        self.ctx_len = min(c.max_len for c in (self.tctx, self.dctx) if c is not None)
+        if len(self.prompt) >= self.ctx_len:
+            raise SnapspecError(f"prompt of {len(self.prompt)} tokens does not fit the context of {self.ctx_len} "
                                 "(at least one new token must fit)")
         self.draft_max = draft_max
         self.rollback = rollback
-        self.tctx = target_ctx or Context(target, ctx_len, mode=default_mode(target), window=self.window,
-                                          poison=poison)
-        self.dctx = None
-        if drafter is not None:
-            self.dctx = drafter_ctx or Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
-                                               window=self.window, poison=poison)
-            if self.tctx.slots:  # the deepest verify the target can undo without a checkpoint (a state window: W-1)
-                self.window = min(self.window, self.tctx.depth)
-        self.ctx_len = min(self.tctx.max_len, self.dctx.max_len if self.dctx else self.tctx.max_len)
-        self.tctx.reset()
-        if self.dctx:
-            self.dctx.reset()
+        self.costs = costs
         self.chooser = None
         if draft_max == "auto":
-            self.chooser = DraftLengthChooser(self.window, costs)
+            self.chooser = (self.drafter.chooser(self.window, costs) if self.drafter is not None
+                            else DraftLengthChooser(self.window, costs))
 
-    # -- shared helpers -------------------------------------------------------------------------------------------
     @property
-    def seq(self) -> list[int]:
-        return self.prompt + self.tokens
+    def modes_used(self) -> set[str]:
+        return set(self.stats.rollbacks)
+
+    @property
+    def text(self) -> str:
+        """The text of the new tokens so far (decoded incrementally; final_text cuts it at a stop string)."""
+        return self._text.read(self.tokens)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -107,37 +139,43 @@ class Generator:
             if len(self.tokens) + len(out) >= self.max_new:
                 self.stop_reason = "length"
                 break
-            if len(self.prompt) + len(self.tokens) + len(out) >= self.ctx_len:
+            if len(self.seq) + len(out) >= self.ctx_len:
                 self.stop_reason = "context"
                 break
         self.tokens.extend(out)
+        self.seq.extend(out)
         self.stats.new_tokens = len(self.tokens)
-        if self.stop_strings and self.stop_reason is None:
-            text = self.target.decode(self.tokens)
-            if any(s in text for s in self.stop_strings):
+        if self.stop_strings and self.stop_reason is None and out:
+            # Only text decoded this round can complete a stop string: search from the longest one's reach back.
+            before = self._text.length
+            self._text.read(self.tokens)
+            tail = self._text.tail(self._text.length - before + max(map(len, self.stop_strings)) - 1)
+            if any(s in tail for s in self.stop_strings):
                 self.stop_reason = "stop_string"
         return out
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
-        with self.stats.timed("prefill"):
-            rows = self.tctx.forward(self.prompt)
-            self.stats.target_forwards += 1
-            if self.dctx:
-                self.dctx.forward(self.prompt)
-                self.stats.drafter_forwards += 1
-        check_finite(rows[-1], "the target's prefill")
-        with self.stats.timed("sampling"):
-            first, _ = pick(rows[-1], self.sampling, self.rng)
+        if self._started:
+            raise SnapspecError("a Generator runs once; make a new one (given this one's contexts, it resumes from "
+                                "the tokens they hold)")
+        self._started = True
+        st = self.stats
+        with st.span("prefill"):
+            reused = self.tctx.resume(self.prompt)
+            rows = self.tctx.prefill(self.prompt[reused:], self.prefill_chunk, logits=not self.sampling.greedy)
+            st.target_forwards += rows.forwards
+            st.prompt_reused, st.prompt_prefilled = reused, len(self.prompt) - reused
+            if self.drafter is not None:
+                self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st)
+            first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
         out = self._emit([first])
-        if self.chooser is not None and self.chooser.costs is None and self.dctx is not None:
-            with self.stats.timed("calibration"):
-                self.chooser.costs = _cached_costs(self.tctx, self.dctx, self.window)
+        self._calibrate()
         if out:
             yield out
         while self.stop_reason is None:
-            with self.stats.timed("decode"):
-                new = self._round() if self.dctx else self._plain_step()
+            with st.span("decode"):
+                new = self._round() if self.drafter is not None else self._plain_step()
                 out = self._emit(new)
             if out:
                 yield out
@@ -147,13 +185,27 @@ class Generator:
             pass
         return self.tokens
 
-    def _plain_step(self) -> list[int]:
-        rows = self.tctx.forward(self.seq[self.tctx.n_past:])
-        self.stats.target_forwards += 1
-        check_finite(rows[-1], "the target")
+    def _pick(self, rows: Rows, where: str) -> int:
+        if self.sampling.greedy:
+            return int(rows.ids[-1])
+        check_finite(rows.logits[-1], where)
         with self.stats.timed("sampling"):
-            tok, _ = pick(rows[-1], self.sampling, self.rng)
-        return [tok]
+            return pick(rows.logits[-1], self.sampling, self.rng)[0]
+
+    def _calibrate(self) -> None:
+        """Measure the cost model for adaptive k on the live contexts, when it is needed and there is room for
+        the largest forward it times (near the end of the context the chooser keeps its default instead)."""
+        if self.chooser is None or self.chooser.costs is not None or self.stop_reason is not None:
+            return
+        if self.drafter is None:
+            return
+        with self.stats.timed("calibration"):
+            self.costs = self.chooser.costs = self.drafter.measure_costs(self.tctx, self.window + 1)
+
+    def _plain_step(self) -> list[int]:
+        rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=not self.sampling.greedy)
+        self.stats.target_forwards += 1
+        return [self._pick(rows, "the target")]
 
     def _draft_length(self) -> int:
         k = self.chooser.choose() if self.chooser else int(self.draft_max)
@@ -161,88 +213,81 @@ class Generator:
         return max(0, min(k, room))
 
     def _round(self) -> list[int]:
-        k = self._draft_length()
+        k = self.drafter.available(self.seq, self._draft_length())
         if k == 0:
             return self._plain_step()
-        st, tctx, dctx = self.stats, self.tctx, self.dctx
-        n = len(self.seq)  # the last accepted token t0 = seq[n-1] is consumed by neither context yet
-        bounded = self._bounded(k)
-        if not bounded:
-            # A restore left each context at its checkpoint: re-decode the tokens accepted since (all but t0) before
-            # the new checkpoint, or every later round would re-decode everything since the first one.
-            with st.timed("rollback"):
-                for ctx in (tctx, dctx):
-                    if ctx.n_past < n - 1:
-                        ctx.forward(self.seq[ctx.n_past:n - 1])
-                        if ctx is tctx:
-                            st.target_forwards += 1
-                        else:
-                            st.drafter_forwards += 1
-            tctx.checkpoint()
-            dctx.checkpoint()
-        with st.timed("draft"):
-            draft, q = [], []
-            rows = dctx.forward(self.seq[dctx.n_past:])
-            for i in range(k):
-                check_finite(rows[-1], "the drafter")
-                with st.timed("sampling"):
-                    d, dist = pick(rows[-1], self.sampling, self.rng)
-                draft.append(d)
-                q.append(dist)
-                if i + 1 < k:
-                    rows = dctx.forward([d])
-            st.drafter_forwards += k
-        with st.timed("verify"):
-            rows = tctx.forward(self.seq[tctx.n_past:] + draft)[-(k + 1):]
-            st.target_forwards += 1
-        check_finite(rows, "the target's verify")
-        with st.timed("sampling"):
-            j, nxt = accept(draft, q, rows, self.sampling, self.rng)
-        st.rounds += 1
-        st.drafted += k
-        st.accepted += j
-        st.emitted += j + 1
-        st.draft_lengths[k] += 1
+        new, j = speculative_round(self.tctx, self.drafter, self.seq, k, self.sampling, self.rng, self.stats,
+                                   self._bounded(k))
         if self.chooser:
             self.chooser.update(k, j)
-        with st.timed("rollback"):
-            if bounded:
-                for who, ctx, keep in (("target", tctx, n + j), ("drafter", dctx, min(n + j, n + k - 1))):
-                    if keep < ctx.n_past:
-                        mode = ctx.rollback(keep)
-                        st.rollbacks[f"{who}:{mode}"] += 1
-                        self.modes_used.add(f"{who}:{mode}")
-            else:
-                tctx.restore()
-                dctx.restore()
-                st.rollbacks["checkpoint"] += 1
-                self.modes_used.add("checkpoint")
-        return draft[:j] + [nxt]
+        return new
 
     def _bounded(self, k: int) -> bool:
         """Can this round roll back without a checkpoint? Warn once, naming the cause, when it cannot."""
         if self.rollback == "checkpoint":
             return False
-        if k > self.window and (self.tctx.slots or self.dctx.slots):
-            self._warn_once("window", f"draft length {k} exceeds the rollback window {self.window}: such rounds "
-                                      "take the checkpoint path (re-export with a larger --rollback-window)")
-            return False
-        if self.dctx.mode == "window":
-            self._warn_once("drafter-window", "a drafter on the state-window graph cannot undo its one-token draft "
-                                              "steps: every round takes the checkpoint path (load the drafter with "
-                                              "role='drafter' or recurrent='replay')")
-            return False
-        if self.tctx.slots and self.tctx.mode not in ("replay", "window"):
-            if genai_folder.is_builder(self.target.manifest):  # its load note already says checkpoint
-                return False
-            self._warn_once("replay", f"{self.target.folder} has no replay graph: every round takes the checkpoint "
-                                      "path (re-export it with this snapspec to enable bounded rollback)")
+        why = self._target_limit(k) or self.drafter.limit(k)
+        if why is not None:
+            key, message = why
+            if not (key == "replay" and genai_folder.is_builder(self.target.manifest)):  # its load note says it
+                self._warn_once(key, message)
             return False
         return True
 
+    def _target_limit(self, k: int) -> tuple[str, str] | None:
+        tctx = self.tctx
+        if tctx.recurrent is None:
+            return None
+        if k > self.window:
+            return ("window", f"draft length {k} exceeds the rollback window {self.window}: such rounds take the "
+                              "checkpoint path (re-export with a larger --rollback-window)")
+        if tctx.mode not in ("replay", "window"):
+            return ("replay", f"{self.target.folder} has no replay graph: every round takes the checkpoint path "
+                              "(re-export it with this snapspec to enable bounded rollback)")
+        return None
 
-def generate(target: Model, prompt: str | list[int], **kwargs) -> Generator:
-    """Run a generation to the end and return the Generator (tokens, stats, stop_reason, modes_used)."""
+
+class _TextStream:
+    """The decoded text of a growing token list, each token decoded once (tokenizers' DecodeStream, which holds
+    back an incomplete UTF-8 sequence until it completes)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=False)
+        self.pieces: list[str] = []
+        self.length = 0  # characters in pieces
+        self.decoded = 0  # tokens fed
+
+    def read(self, tokens: list[int]) -> str:
+        """Feed the tokens not fed yet; the whole text so far."""
+        self.sync(tokens)
+        return "".join(self.pieces)
+
+    def sync(self, tokens: list[int]) -> None:
+        for t in tokens[self.decoded:]:
+            piece = self.stream.step(self.tokenizer, t)
+            if piece:
+                self.pieces.append(piece)
+                self.length += len(piece)
+        self.decoded = len(tokens)
+
+    def tail(self, n: int) -> str:
+        """The last n characters (or all)."""
+        out, have = [], 0
+        for piece in reversed(self.pieces):
+            if have >= n:
+                break
+            out.append(piece)
+            have += len(piece)
+        return "".join(reversed(out))[-n:] if n > 0 else ""
+
+
+def generate(target: Model, prompt: str | list[int] | list[dict], **kwargs) -> Generator:
+    """Run a generation to the end and return the Generator (tokens, stats, stop_reason, modes_used). prompt: text,
+    token ids, or messages ({role, content}), which the model's chat template renders (runtime/chat.py)."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        from .chat import chat
+        return chat(target, prompt, **kwargs)
     ids = target.encode(prompt) if isinstance(prompt, str) else prompt
     gen = Generator(target, ids, **kwargs)
     gen.run()
@@ -250,25 +295,32 @@ def generate(target: Model, prompt: str | list[int], **kwargs) -> Generator:
 
 
 def stream_text(gen: Generator) -> Iterator[str]:
-    """Text pieces as they become final. Holds back text that could still become a stop string, and cuts there."""
-    sent = 0
+    """Text pieces as they become final. Holds back text that could still become a stop string, and cuts there.
+    Reads the generator's incremental text (each token decoded once); one full decode at the end."""
     hold = max((len(s) for s in gen.stop_strings), default=1) - 1
+    text, seen, sent = gen._text, 0, 0
+    pending = ""  # decoded but not yet sent
     for _ in gen:
-        text = gen.target.decode(gen.tokens)
-        cut = _stop_cut(text, gen.stop_strings)
+        text.sync(gen.tokens)
+        pending += "".join(text.pieces[seen:])
+        seen = len(text.pieces)
+        cut = _stop_cut(pending, gen.stop_strings)
         if cut is not None:
-            text = text[:cut]
+            pending = pending[:cut]
         elif gen.stop_reason is None:
-            # Hold back a trailing replacement char (an incomplete UTF-8 sequence) and a possible stop string start.
-            text = text[: max(sent, len(text.rstrip("\ufffd")) - hold)]
-        if len(text) > sent:
-            yield text[sent:]
-            sent = len(text)
-    text = gen.target.decode(gen.tokens)
-    cut = _stop_cut(text, gen.stop_strings)
-    text = text if cut is None else text[:cut]
-    if len(text) > sent:
-        yield text[sent:]
+            ready = max(0, len(pending) - hold)
+            if ready:
+                yield pending[:ready]
+                sent += ready
+                pending = pending[ready:]
+            continue
+        if pending:
+            yield pending
+            sent += len(pending)
+        pending = ""
+    final = final_text(gen)  # a trailing incomplete UTF-8 sequence decodes to U+FFFD here, as in the full text
+    if len(final) > sent:
+        yield final[sent:]
 
 
 def final_text(gen: Generator) -> str:
@@ -280,15 +332,3 @@ def final_text(gen: Generator) -> str:
 def _stop_cut(text: str, stops) -> int | None:
     hits = [text.find(s) for s in stops if s in text]
     return min(hits) if hits else None
-
-
-_COSTS: dict = {}
-
-
-def _cached_costs(tctx: Context, dctx: Context, window: int) -> Costs:
-    """Measured once per (target, drafter, window) in this process: a few dozen forwards on the live contexts."""
-    key = (id(tctx.model.session), id(dctx.model.session), window)
-    if key not in _COSTS:
-        room = tctx.max_len - tctx.n_past - 1
-        _COSTS[key] = measure_costs(tctx, dctx, max(2, min(window + 1, room)), reps=3)
-    return _COSTS[key]

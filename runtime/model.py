@@ -14,6 +14,7 @@ import onnxruntime as ort
 from snapspec import SnapspecError, manifest
 
 from . import genai_folder
+from .cuda_graph import GraphSession
 from .providers import DEVICE, PROVIDERS, configure
 
 
@@ -33,6 +34,8 @@ class Model:
     requested_ep: str = "cpu"
     state_window: int | None = None  # W when the session runs the state-window graph (conv/recurrent state [W, ...])
     notes: list[str] = field(default_factory=list)
+    graph_tokens: int = 0  # forwards of up to this many tokens replay CUDA graphs (0: none; runtime/cuda_graph.py)
+    graphs: GraphSession | None = None
 
     @property
     def folder(self) -> Path:
@@ -73,7 +76,8 @@ class Model:
 
 
 def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int | None = None,
-         verify: bool = True, spin: bool = True, role: str = "target", recurrent: str = "auto") -> Model:
+         verify: bool = True, spin: bool = True, role: str = "target", recurrent: str = "auto",
+         cuda_graph: int = 0) -> Model:
     """Open an exported folder on `ep`.
 
     recurrent: which forward graph carries the recurrent state. auto: the state-window graph for a target on CUDA
@@ -87,9 +91,13 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     """
     m = genai_folder.read_manifest(folder, verify)  # snapspec.json, or derived from an onnxruntime-genai folder
     opts = _options(threads, spin)
-    used_ep, providers = configure(ep, opts, allow_fallback)
+    used_ep, providers = configure(ep, opts, allow_fallback, cuda_graph=cuda_graph > 0)
     if used_ep == "cuda":
         _check_cuda_support(m)
+    if cuda_graph and used_ep != "cuda":
+        raise SnapspecError(f"CUDA graphs (--cuda-graph) need the CUDA execution provider, not {used_ep}")
+    if cuda_graph and genai_folder.is_builder(m):
+        raise SnapspecError("CUDA graphs need a snapspec export (an onnxruntime-genai folder's inputs differ)")
     graph = _forward_graph(m, used_ep, role, recurrent)
     session = _session(m.graph_path(graph), opts, providers)
     if used_ep != "cpu" and PROVIDERS[used_ep] not in session.get_providers():
@@ -111,7 +119,8 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
         raise SnapspecError(f"cannot read {tok_path}: {exc}") from None
     model = Model(m, used_ep, session, replay, tokenizer, threads, requested_ep=ep,
-                  state_window=m.rollback.get("state_window") if graph == "forward_window" else None)
+                  state_window=m.rollback.get("state_window") if graph == "forward_window" else None,
+                  graph_tokens=cuda_graph, graphs=GraphSession(session) if cuda_graph else None)
     if used_ep != ep:
         model.notes.append(f"requested {ep}, running on {used_ep} (--allow-fallback)")
     if genai_folder.is_builder(m):

@@ -24,6 +24,12 @@ PROVIDERS = {
 }
 # Where the KV cache and recurrent state live between calls. DirectML and CoreML run the linear-attention and conv
 # nodes on CPU (no kernels), so their state stays on the host.
+# The whole CUDA install. onnxruntime-gpu provides the same `onnxruntime` module as the CPU wheel, and pip cannot
+# install one instead of the other, so the CPU wheel goes and the GPU wheel is put back whole (uninstalling the
+# first removes files of the second). 1.31.1 is the newest onnxruntime-gpu (CUDA 13, cuDNN 9 from the nvidia wheels
+# its cuda and cudnn extras pull), the one verified on an H200; snapspec's onnxruntime range admits it.
+CUDA_INSTALL = ('pip install "snapspec[cuda]" && pip uninstall -y onnxruntime && '
+                'pip install --force-reinstall --no-deps onnxruntime-gpu==1.31.1')
 DEVICE = {"cpu": "cpu", "cuda": "cuda", "webgpu": "webgpu", "dml": "cpu", "coreml": "cpu"}
 _plugin_registered = False
 
@@ -56,9 +62,11 @@ def available() -> list[str]:
     return have
 
 
-def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[str, list[str] | None]:
+def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool,
+              cuda_graph: bool = False) -> tuple[str, list[str] | None]:
     """Put `opts` on `ep`. Returns (ep actually used, providers list for InferenceSession or None when the
-    device was added to the options). A missing provider is an error unless fallback is allowed."""
+    device was added to the options). A missing provider is an error unless fallback is allowed. cuda_graph: the
+    CUDA session captures and replays CUDA graphs (runtime/cuda_graph.py); CUDA only."""
     if ep not in PROVIDERS:
         raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
     if ep == "cpu":
@@ -75,11 +83,14 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool) -> tuple[
                 ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* wheels, when that is where they are
             # TF32 GEMMs (the CUDA EP's default on Ampere and later) make a multi-token verify disagree with
             # one-token steps at 1e-3, enough to flip greedy choices: full fp32 keeps the contract.
-            return ep, [(PROVIDERS[ep], {"use_tf32": "0"}), "CPUExecutionProvider"]
+            options = {"use_tf32": "0"}
+            if cuda_graph:
+                options["enable_cuda_graph"] = "1"
+            return ep, [(PROVIDERS[ep], options), "CPUExecutionProvider"]
         return ep, [PROVIDERS[ep], "CPUExecutionProvider"]
     have = ", ".join(available())
     hint = {"webgpu": "pip install 'snapspec[webgpu]' (and a Vulkan/Metal/D3D12 GPU driver)",
-            "cuda": "pip install 'snapspec[cuda]'", "dml": "pip install 'snapspec[directml]' (Windows)",
+            "cuda": f"install the GPU wheel in place of the CPU one: {CUDA_INSTALL}", "dml": "pip install 'snapspec[directml]' (Windows)",
             "coreml": "CoreML ships in onnxruntime on macOS"}[ep]
     if not allow_fallback:
         raise SnapspecError(f"execution provider {ep} is not available here (available: {have}); {hint}, "

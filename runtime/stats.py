@@ -1,4 +1,9 @@
-"""Counters and timers of one generation. Acceptance counts every round, partial and checkpoint rounds included."""
+"""Counters and timers of one generation. Acceptance counts every round, partial and checkpoint rounds included.
+
+Seconds: `span` measures a whole phase (prefill, decode: tokens/s comes from these); `timed` measures the parts
+inside a phase (draft, verify, rollback, sampling, calibration) exclusively: time spent in a nested `timed` block
+counts there only (a drafter's sampling counts as sampling, not also as draft), so the parts add up to at most the
+phase."""
 
 from __future__ import annotations
 
@@ -11,24 +16,43 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class Stats:
     prompt_tokens: int = 0
+    prompt_prefilled: int = 0  # prompt tokens the target consumed in this generation
+    prompt_reused: int = 0  # prompt tokens its context already held (a resumed context: multi-turn chat)
     new_tokens: int = 0
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    lookups: int = 0  # drafts asked of a drafter that may have none (n-gram lookup); a miss is a plain step
+    lookup_hits: int = 0
     target_forwards: int = 0
     drafter_forwards: int = 0
     rollbacks: Counter = field(default_factory=Counter)  # "target:replay", "drafter:ring", "checkpoint", ...
     draft_lengths: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=Counter)  # prefill, decode, draft, verify, rollback, sampling
+    _inner: list = field(default_factory=list, repr=False, compare=False)  # open `timed` blocks: nested seconds
 
     @contextmanager
-    def timed(self, what: str):
+    def span(self, what: str):
+        """A whole phase, inclusive of everything inside it."""
         t = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[what] += time.perf_counter() - t
+
+    @contextmanager
+    def timed(self, what: str):
+        """A part of a phase, exclusive of the parts nested inside it."""
+        t = time.perf_counter()
+        self._inner.append(0.0)
+        try:
+            yield
+        finally:
+            total = time.perf_counter() - t
+            self.seconds[what] += total - self._inner.pop()
+            if self._inner:
+                self._inner[-1] += total
 
     @property
     def acceptance(self) -> float | None:
@@ -49,6 +73,7 @@ class Stats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        d.pop("_inner")
         d["rollbacks"] = dict(self.rollbacks)
         d["draft_lengths"] = {str(k): v for k, v in sorted(self.draft_lengths.items())}
         d["seconds"] = {k: round(v, 6) for k, v in self.seconds.items()}

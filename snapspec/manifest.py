@@ -68,10 +68,14 @@ class Manifest:
         return hashlib.sha256(json.dumps(self.data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def write(folder: Path, data: dict) -> Manifest:
+def write(folder: Path, data: dict, digests: dict[str, str] | None = None) -> Manifest:
+    """Checksum every file of `folder` into the manifest and write it. digests: sha256 already computed while a
+    file was written (the exporter hashes its weights file as it appends to it), by file name."""
     files = {}
+    digests = digests or {}
     for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != FILENAME):
-        files[path.name] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        digest = digests.get(path.name) or sha256_file(path)
+        files[path.name] = {"sha256": digest, "bytes": path.stat().st_size}
     data = {**data, "format": FORMAT, "files": files}
     data[SELF_KEY] = _self_digest(data)
     (folder / FILENAME).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

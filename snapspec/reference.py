@@ -4,6 +4,9 @@ Slow on purpose: one token at a time, no chunking, float64 where it costs nothin
 op the graphs use, and transformers' own torch versions, against these.
 
     gated_delta_rule     state [B, H, Dk, Dv]     (Yang et al. 2024, Gated Delta Networks, eq. 10)
+    mamba2               state [B, H, N, P]       the Mamba2 selective SSM, one token at a time (Dao and Gu 2024)
+    mamba2_chunked       state [B, H, N, P]       the same recurrence as matmuls over chunks (SSD, Dao and Gu 2024)
+    gated_rms_norm       Mamba2's group-wise RMSNorm with a silu gate, before or after the norm
     causal_conv          state [B, K-1, C]        the last K-1 inputs, sequence-major
     rope                 rotate-half RoPE on the first rotary_dim features of each head (Su et al. 2021)
     attention            causal softmax attention, grouped-query (Ainslie et al. 2023)
@@ -109,3 +112,75 @@ def moe(x, router_w, gate_w, up_w, down_w, top_k: int, normalize: bool):
             g, u = gate_w[e] @ x[n], up_w[e] @ x[n]
             out[n] += w * (down_w[e] @ (g / (1 + np.exp(-g)) * u))
     return out
+
+
+def mamba2(x, dt, A, B, C, D=None, state=None):
+    """The Mamba2 selective state space model, token by token.
+
+    x [Bt, T, H, P]; dt [Bt, T, H] (after softplus and the time-step limits); A [H] (negative); B, C [Bt, T, G, N]
+    (head h reads group h // (H / G)); D [H]; state [Bt, H, N, P] -> (y [Bt, T, H, P], state).
+
+    Per token and head: S <- exp(dt A) S + dt B x^T;  y = S^T C + D x. The state is [N, P] per head, the transpose
+    of transformers' [head_dim, d_state], so that it is LinearAttention's [key_dim, value_dim] with k = B, v = dt x,
+    q = C and decay dt A.
+    """
+    Bt, T, H, P = x.shape
+    N = B.shape[-1]
+    rep = H // B.shape[2]
+    Bh, Ch = np.repeat(B, rep, axis=2), np.repeat(C, rep, axis=2)  # [Bt, T, H, N]
+    S = np.zeros((Bt, H, N, P)) if state is None else np.array(state, dtype=np.float64)
+    y = np.zeros((Bt, T, H, P))
+    for t in range(T):
+        u = dt[:, t, :, None] * x[:, t]  # [Bt, H, P]
+        S = S * np.exp(dt[:, t] * A)[..., None, None] + np.einsum("bhn,bhp->bhnp", Bh[:, t], u)
+        y[:, t] = np.einsum("bhnp,bhn->bhp", S, Ch[:, t])
+    if D is not None:
+        y = y + D[:, None] * x
+    return y, S
+
+
+def mamba2_chunked(x, dt, A, B, C, D=None, state=None, chunk: int = 16):
+    """mamba2 as matmuls over chunks of `chunk` tokens (the SSD algorithm); same arguments, same result.
+
+    With a_t = dt_t A and c_t its running sum inside the chunk, the decay from token s to token t >= s is
+    exp(c_t - c_s). Within a chunk y_t = sum_{s <= t} exp(c_t - c_s) (C_t . B_s) dt_s x_s (a masked "attention"),
+    plus the carried-in state read through C and decayed by exp(c_t); the state carried out is the carried-in one
+    decayed by exp(c_last) plus sum_s exp(c_last - c_s) B_s (dt_s x_s)^T.
+    """
+    Bt, T, H, P = x.shape
+    N = B.shape[-1]
+    rep = H // B.shape[2]
+    Bh, Ch = np.repeat(B, rep, axis=2), np.repeat(C, rep, axis=2)
+    S = np.zeros((Bt, H, N, P)) if state is None else np.array(state, dtype=np.float64)
+    y = np.zeros((Bt, T, H, P))
+    for start in range(0, T, chunk):
+        sl = slice(start, min(start + chunk, T))
+        a = dt[:, sl] * A  # [Bt, L, H]
+        c = np.cumsum(a, axis=1)
+        L = c.shape[1]
+        diff = c[:, :, None, :] - c[:, None, :, :]  # [Bt, t, s, H]: c_t - c_s
+        causal = np.tril(np.ones((L, L), dtype=bool))[None, :, :, None]
+        decay = np.exp(np.where(causal, diff, -np.inf))
+        u = dt[:, sl, :, None] * x[:, sl]  # [Bt, L, H, P]
+        scores = np.einsum("bthn,bshn->btsh", Ch[:, sl], Bh[:, sl]) * decay
+        y[:, sl] = np.einsum("btsh,bshp->bthp", scores, u)
+        y[:, sl] += np.exp(c)[..., None] * np.einsum("bthn,bhnp->bthp", Ch[:, sl], S)
+        to_end = np.exp(c[:, -1:, :] - c)  # [Bt, L, H]
+        S = np.exp(c[:, -1])[..., None, None] * S + np.einsum("bsh,bshn,bshp->bhnp", to_end, Bh[:, sl], u)
+    if D is not None:
+        y = y + D[:, None] * x
+    return y, S
+
+
+def gated_rms_norm(y, z, gamma, groups: int, eps: float, norm_before_gate: bool):
+    """Mamba2's output norm over `groups` equal groups of the last axis, gated by silu(z).
+
+    norm_before_gate: rms_norm(y) * gamma * silu(z); else rms_norm(y * silu(z)) * gamma (Granite-4.0-H, Nemotron-H).
+    """
+    gate = z / (1.0 + np.exp(-z))
+    if not norm_before_gate:
+        y = y * gate
+    shape = y.shape
+    grouped = y.reshape(*shape[:-1], groups, shape[-1] // groups)
+    normed = (grouped / np.sqrt((grouped * grouped).mean(-1, keepdims=True) + eps)).reshape(shape) * gamma
+    return normed * gate if norm_before_gate else normed

@@ -14,7 +14,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
+
 from tiny import load_hf, make_tiny  # noqa: E402
+
+# One torch thread: the oracle's tiny models gain nothing from two, and on a loaded machine (CI's 2 shared cores)
+# two OpenMP threads spin-waiting on each other made transformers' forwards 20-100x slower (measured: 0.4-5.8 s vs
+# 0.02-0.05 s for a 20-token Granite-4.0-H forward).
+torch.set_num_threads(1)
 
 
 def _key(name: str, kwargs: dict) -> tuple:
@@ -59,5 +66,26 @@ def hf_model(tiny_model):
         if model_type not in loaded:
             loaded[model_type] = load_hf(tiny_model(model_type))
         return loaded[model_type]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def chat_export(tmp_path_factory):
+    """chat_export("qwen3_5_text", "lfm2") -> Path of an exported tiny chat model (tests/chat_models.py): the
+    character tokenizer, the named template style, <|im_end|> as end of turn. Same-style exports share a
+    vocabulary, so any two make a target and drafter pair."""
+    from chat_models import make_chat_model
+
+    from snapspec.export import export
+
+    built: dict[tuple, Path] = {}
+
+    def get(model_type: str, style: str = "lfm2") -> Path:
+        if (model_type, style) not in built:
+            root = tmp_path_factory.mktemp(f"chat-{model_type}-{style}")
+            export(make_chat_model(model_type, root / "hf", style), root / "out", log=lambda *a: None)
+            built[model_type, style] = root / "out"
+        return built[model_type, style]
 
     return get

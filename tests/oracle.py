@@ -4,7 +4,7 @@ Both return states keyed by the manifest's state input names, in the manifest's 
 
     kv          [B, Hkv, ctx, D]     only the written prefix [:, :, :length] is compared
     conv        [B, K-1, C]          transformers keeps [B, C, K]: its last K-1 columns, transposed
-    recurrent   [B, H, Dk, Dv]
+    recurrent   [B, H, Dk, Dv]       Mamba2: [B, H, d_state, head_dim]; transformers keeps [B, H, head_dim, d_state]
 
 The onnxruntime side allocates KV buffers filled with NaN: a row the graph reads without having written it turns
 the logits into NaN at once instead of passing by accident. Conv and recurrent states start at zero, their true
@@ -24,7 +24,7 @@ import torch
 from snapspec import manifest as mf
 from snapspec.export.quant import dequantize_int4, quantize_int4
 
-from tiny import load_hf
+from tiny import MAMBA2_TYPES, load_hf
 
 
 def assert_close(name: str, actual, expected, rtol: float) -> None:
@@ -48,6 +48,7 @@ class Step:
     logits: np.ndarray  # [B, T, vocab]
     state: dict  # state input name -> array
     rollback: np.ndarray | None  # the packed `rollback_data` output [B, T, width], None without recurrent layers
+    next_tokens: np.ndarray | None = None  # [B, kept] int64, exports with `logits_to_keep`
 
 
 class OrtModel:
@@ -81,16 +82,19 @@ class OrtModel:
         """`state` with each KV buffer cut to its first `length` rows, the part a forward has written."""
         return {n: v[:, :, :length] if self.entries[n]["role"].startswith("kv") else v for n, v in state.items()}
 
-    def forward(self, state: dict, ids, past_len: int) -> Step:
+    def forward(self, state: dict, ids, past_len: int, keep: int | None = None) -> Step:
+        """keep: feed `logits_to_keep` (None: leave the graph's default, every row)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
         t = ids.shape[1]
         feeds = {"input_ids": ids, "position_ids": np.arange(past_len, past_len + t, dtype=np.int64)[None],
                  "attention_mask": np.ones((1, past_len + t), dtype=np.int64), **state}
+        if keep is not None:
+            feeds["logits_to_keep"] = np.array(keep, dtype=np.int64)
         names = [o.name for o in self.fwd.get_outputs()]
         out = dict(zip(names, self.fwd.run(None, feeds)))
         new_state = {name: out[e["output"]] for name, e in self.entries.items()}
         packed = self.manifest.rollback_data
-        return Step(out["logits"], new_state, out[packed["name"]] if packed else None)
+        return Step(out["logits"], new_state, out[packed["name"]] if packed else None, out.get("next_tokens"))
 
     def replay(self, state: dict, rollback: np.ndarray, j: int) -> dict:
         """Advance the conv/recurrent part of `state` over the first j tokens of a forward's rollback data."""
@@ -135,6 +139,8 @@ class HfModel:
                 t = conv[:, :, 1:].transpose(1, 2)
             else:
                 t = layer.recurrent_states[0]
+                if self.model.config.model_type in MAMBA2_TYPES:
+                    t = t.transpose(-1, -2)
             result[e["name"]] = t.float().numpy()
         return result
 
@@ -166,21 +172,38 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
     """Replace, in place, every weight the int4 export quantizes by its dequantized value (export/quant.py).
 
     That is: every nn.Linear whose in_features is a multiple of the block size (the tied output projection too,
-    so the input embedding is untied first), and MoE expert tensors when hidden and expert widths both are and the
-    router renormalises its top-k (the conditions under which Decoder.moe uses QMoE)."""
+    so the input embedding is untied first), the input embedding under the same condition (quantized by rows, as
+    the output projection), and MoE expert tensors when hidden and expert widths both are and the
+    router renormalises its top-k (the conditions under which Decoder.moe uses QMoE; Granite's router always does).
+    Nemotron-H's squared-ReLU experts run as two plain linears over all experts (export/arch/nemotron_h.py): each
+    expert's up projection is quantized when its input width is a multiple of the block size, and the down
+    projections side by side, one (d, E * I) matrix, when E * I is."""
     emb = model.get_input_embeddings()
     emb.weight = torch.nn.Parameter(emb.weight.detach().clone())
+    # Qwen3.5 MoE's router always renormalises (its config has no norm_topk_prob).
+    renormalises = lambda: (model.config.model_type == "qwen3_5_moe"  # noqa: E731
+                            or getattr(model.config, "norm_topk_prob", True))
 
     def rt(w: torch.Tensor) -> torch.Tensor:
         a = w.float().numpy()
         return torch.from_numpy(dequantize_int4(*quantize_int4(a, block_size), a.shape[1]))
 
+    if emb.weight.shape[1] % block_size == 0:
+        emb.weight.copy_(rt(emb.weight))
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.in_features % block_size == 0:
             module.weight.copy_(rt(module.weight))
-        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and model.config.norm_topk_prob:
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and renormalises():
             hidden, inter = module.down_proj.shape[1:]
             if hidden % block_size == 0 and inter % block_size == 0:
                 for p in (module.gate_up_proj, module.down_proj):
                     p.copy_(torch.stack([rt(e) for e in p]))
+        elif model.config.model_type == "nemotron_h" and isinstance(getattr(module, "up_proj", None),
+                                                                    torch.nn.Parameter):
+            n, inter, d = module.up_proj.shape
+            if d % block_size == 0:
+                module.up_proj.copy_(torch.stack([rt(e) for e in module.up_proj]))
+            if n * inter % block_size == 0:
+                stacked = rt(module.down_proj.permute(1, 0, 2).reshape(d, n * inter))
+                module.down_proj.copy_(stacked.reshape(d, n, inter).permute(1, 0, 2))
     return model

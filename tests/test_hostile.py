@@ -305,7 +305,7 @@ def test_provider_not_installed(capsys, target):
 def test_provider_that_fails_to_start_is_an_error(capsys, tiny_export, monkeypatch):
     """onnxruntime silently runs on CPU when a listed provider cannot start (CUDA libraries missing): refused."""
     import snapspec.runtime.model as model_mod
-    monkeypatch.setattr(model_mod, "configure", lambda ep, opts, fallback: ("cuda", ["CPUExecutionProvider"]))
+    monkeypatch.setattr(model_mod, "configure", lambda ep, opts, fallback, **_: ("cuda", ["CPUExecutionProvider"]))
     rc, _, err = cli(capsys, *gen_args(tiny_export("qwen3", dtype="float16"), "--ep", "cuda"))
     one_error(rc, err, "could not start the cuda execution provider", "snapspec doctor")
 

@@ -74,8 +74,7 @@ class _Reference:
 
     def _prefilled(self, model, pos: int, mode: str) -> Context:
         ctx = Context(model, CONTEXT, mode=mode)
-        for i in range(0, pos, 256):
-            ctx.forward(self.tokens[i:min(pos, i + 256)])
+        ctx.prefill(self.tokens[:pos], 256, logits=False)
         return ctx
 
     def time(self, pos: int) -> float:
@@ -83,9 +82,9 @@ class _Reference:
         start = time.perf_counter()
         if dctx is not None:
             for i in range(self.k):
-                dctx.forward([self.tokens[pos + i]])
+                dctx.forward([self.tokens[pos + i]], keep=1, logits=False)
             dctx.rollback(pos)
-        tctx.forward(self.tokens[pos:pos + self.k + 1])
+        tctx.forward(self.tokens[pos:pos + self.k + 1], keep=self.k + 1, logits=False)  # a greedy verify: ids
         tctx.rollback(pos)
         return time.perf_counter() - start
 

@@ -281,3 +281,141 @@ def test_reference_moe_matches_transformers(normalize):
         _, scores, index = router(x)
         out = experts(x, index, scores)
     assert_close("Qwen3NextExperts", out.numpy(), ref.moe(x.numpy(), **w, top_k=2, normalize=normalize), RTOL)
+
+
+# -- Mamba2 -------------------------------------------------------------------------------------------------------
+def mamba2_inputs(rng, B=2, T=70, H=6, P=10, G=2, N=12, decay: float = 1.0):
+    """Every axis its own size; decay scales dt, so decay 8 gives log-decays dt * A down to about -100 per token."""
+    x = rng.standard_normal((B, T, H, P))
+    dt = np.log1p(np.exp(rng.standard_normal((B, T, H)))) * decay
+    A = -np.exp(rng.uniform(-1.0, 1.0, H))
+    Bm, Cm = rng.standard_normal((B, T, G, N)), rng.standard_normal((B, T, G, N))
+    D, state = rng.standard_normal(H), rng.standard_normal((B, H, N, P)) * 0.5
+    return x, dt, A, Bm, Cm, D, state
+
+
+@pytest.mark.parametrize("decay", [0.05, 1.0, 8.0])
+@pytest.mark.parametrize("T", [1, 7, 70])
+def test_linear_attention_gated_is_mamba2(T, decay):
+    """LinearAttention's "gated" rule with k = B, v = dt x, q = C, decay dt A, scale 1 is the Mamba2 scan (without
+    the D skip), one token or many (T = 70 crosses its chunk of 64), weak decay or strong."""
+    x, dt, A, Bm, Cm, _, state = mamba2_inputs(np.random.default_rng(T), T=T, decay=decay)
+    B, _, H, P = x.shape
+    G, N = Bm.shape[2:]
+    heads = lambda t: np.repeat(t, H // G, axis=2).reshape(B, T, H * N)  # noqa: E731
+    feeds = {"q": f32(heads(Cm)), "k": f32(heads(Bm)), "v": f32((dt[..., None] * x).reshape(B, T, H * P)),
+             "state": f32(state), "decay": f32(dt * A)}
+    out, present = run_node("LinearAttention", list(feeds), feeds, {}, ["o", "present"], q_num_heads=H,
+                            kv_num_heads=H, update_rule="gated", scale=1.0)
+    y_ref, s_ref = ref.mamba2(x, dt, A, Bm, Cm, None, state)
+    assert_close("LinearAttention gated output", out.reshape(B, T, H, P), y_ref, RTOL)
+    assert_close("LinearAttention gated present_state", present, s_ref, RTOL)
+
+
+@pytest.mark.parametrize("T", [1, 16, 37])
+def test_mamba2_chunked_equals_step(T):
+    """The SSD chunked form (chunks of 16: T = 37 ends mid-chunk) against the token-by-token recurrence."""
+    args = mamba2_inputs(np.random.default_rng(11), T=T, decay=2.0)
+    y_step, s_step = ref.mamba2(*args)
+    y_chunk, s_chunk = ref.mamba2_chunked(*args, chunk=16)
+    assert_close("mamba2_chunked output", y_chunk, y_step, 1e-10)
+    assert_close("mamba2_chunked state", s_chunk, s_step, 1e-10)
+
+
+def test_reference_mamba2_matches_transformers():
+    """transformers' chunked scan (the prefill path, chunk 32 over 70 tokens) and its one-token update, both with
+    the state [B, H, head_dim, d_state]: the transpose of the reference's."""
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as m
+
+    rng = np.random.default_rng(13)
+    x, dt_raw, A, Bm, Cm, D, state = mamba2_inputs(rng)
+    dt_bias = rng.standard_normal(x.shape[2])
+    dt = np.log1p(np.exp(dt_raw + dt_bias))
+    y_ref, s_ref = ref.mamba2(x, dt, A, Bm, Cm, D, state)
+    t = {k: torch.from_numpy(v) for k, v in dict(x=x, dt=dt_raw, A=A, B=Bm, C=Cm, D=D, bias=dt_bias).items()}
+    init = torch.from_numpy(state.transpose(0, 1, 3, 2).copy())
+    y, s = m.mamba2_chunk_scan(t["x"], t["dt"], t["A"], t["B"], t["C"], chunk_size=32, D=t["D"],
+                               dt_bias=t["bias"], initial_states=init, dt_softplus=True, return_final_states=True)
+    assert_close("mamba2_chunk_scan output", y.numpy(), y_ref, RTOL)
+    assert_close("mamba2_chunk_scan state", s.numpy().transpose(0, 1, 3, 2), s_ref, RTOL)
+    P, N = x.shape[3], Bm.shape[3]
+    s = init.clone()
+    A_hpn = t["A"][:, None, None].expand(-1, P, N)  # the decode path takes A, D, dt and dt_bias per (head, head_dim)
+    for i in range(x.shape[1]):
+        y1 = m.mamba2_selective_state_update(
+            s, t["x"][:, i], t["dt"][:, i, :, None].expand(-1, -1, P), A_hpn, t["B"][:, i], t["C"][:, i],
+            t["D"][:, None].expand(-1, P), dt_bias=t["bias"][:, None].expand(-1, P), dt_softplus=True)
+        assert_close(f"mamba2_selective_state_update output {i}", y1.numpy(), y_ref[:, i], RTOL)
+    assert_close("mamba2_selective_state_update state", s.numpy().transpose(0, 1, 3, 2), s_ref, RTOL)
+
+
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_reference_gated_rms_norm_matches_transformers(groups, norm_before_gate):
+    from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as granite
+
+    rng = np.random.default_rng(groups)
+    y, z, gamma = rng.standard_normal((2, 5, 48)), rng.standard_normal((2, 5, 48)), rng.standard_normal(48)
+    expected = ref.gated_rms_norm(y, z, gamma, groups, 1e-5, norm_before_gate)
+    norms = [falcon.FalconH1RMSNormGated(48, 1e-5, groups, norm_before_gate)]
+    if not norm_before_gate:  # Granite-4.0-H and Nemotron-H always gate first
+        norms.append(granite.GraniteMoeHybridRMSNormGated(48, 48 // groups, 1e-5))
+    for norm in norms:
+        with torch.no_grad():
+            norm.weight.copy_(torch.from_numpy(gamma))
+            out = norm.double()(torch.from_numpy(y), torch.from_numpy(z))
+        assert_close(type(norm).__name__, out.numpy(), expected, RTOL)  # transformers normalises in float32
+
+
+@pytest.mark.parametrize("gated_norm, norm_before_gate", [(True, False), (True, True), (False, False)])
+def test_mamba2_block(gated_norm, norm_before_gate):
+    """Decoder.mamba2 alone (in_proj split, conv with its state, dt with bias and limits, the scan, D, the gated
+    norm over groups) against the references, from a nonzero state; then its replay graph, fed the forward's
+    rollback data, advances the conv and recurrent states over the first j tokens exactly as a j-token forward."""
+    from snapspec.export.blocks import Decoder
+    from snapspec.export.graph import Graph
+
+    rng = np.random.default_rng(17)
+    Dm, H, P, G, N, K, T, limit = 40, 6, 8, 2, 12, 4, 11, (0.2, 2.0)
+    inner, conv_dim = H * P, H * P + 2 * G * N
+    w = dict(in_w=rng.standard_normal((inner + conv_dim + H, Dm)) * 0.3, conv_w=rng.standard_normal((conv_dim, 1, K)),
+             a_log=rng.uniform(-1, 1, H), dt_bias=rng.standard_normal(H) * 0.5, d=rng.standard_normal(H),
+             out_w=rng.standard_normal((Dm, inner)) * 0.2, conv_b=rng.standard_normal(conv_dim) * 0.1,
+             norm_w=1 + rng.standard_normal(inner) * 0.2 if gated_norm else None)
+    w = {k: None if v is None else f32(v) for k, v in w.items()}
+    dec = Decoder(Graph("mamba2"), Graph("replay"))
+    g = dec.fwd
+    x = g.input("x", F32, [1, "T", Dm])
+    y = dec.mamba2(x, 0, **w, heads=H, head_dim=P, groups=G, d_state=N, kernel=K, eps=1e-5,
+                   norm_before_gate=norm_before_gate, dt_limit=limit)
+    g.output(y, "y", F32, [1, "T", Dm])
+    dec.finish()
+    run = lambda graph: ort.InferenceSession(graph.to_model().SerializeToString(),  # noqa: E731
+                                             providers=["CPUExecutionProvider"])
+    fwd, replay = run(g), run(dec.replay)
+    xs, conv0, rec0 = f32(rng.standard_normal((1, T, Dm))), f32(rng.standard_normal((1, K - 1, conv_dim))), f32(
+        rng.standard_normal((1, H, N, P)))
+    feeds = {"x": xs, "past_conv_state.0": conv0, "past_recurrent_state.0": rec0}
+    out = dict(zip([o.name for o in fwd.get_outputs()], fwd.run(None, feeds)))
+
+    z, xbc, dt = np.split(xs[0] @ w["in_w"].T, [inner, inner + conv_dim], axis=-1)
+    conv, conv_state = ref.causal_conv(xbc[None], w["conv_w"][:, 0], conv0, w["conv_b"], "silu")
+    xh, Bm, Cm = np.split(conv[0], [inner, inner + G * N], axis=-1)
+    dt = np.clip(np.log1p(np.exp(dt + w["dt_bias"])), *limit)
+    scan, rec = ref.mamba2(xh.reshape(1, T, H, P), dt[None], -np.exp(w["a_log"]), Bm.reshape(1, T, G, N),
+                           Cm.reshape(1, T, G, N), w["d"], rec0)
+    scan = scan.reshape(1, T, inner)
+    if gated_norm:
+        scan = ref.gated_rms_norm(scan, z[None], w["norm_w"], G, 1e-5, norm_before_gate)
+    else:
+        scan = scan * (z / (1 + np.exp(-z)))[None]
+    assert_close("mamba2 block output", out["y"], scan @ w["out_w"].T, RTOL)
+    assert_close("mamba2 block conv state", out["present_conv_state.0"], conv_state, RTOL)
+    assert_close("mamba2 block recurrent state", out["present_recurrent_state.0"], rec, RTOL)
+    for j in (1, 5, T):
+        direct = dict(zip([o.name for o in fwd.get_outputs()], fwd.run(None, {**feeds, "x": xs[:, :j]})))
+        states = replay.run(None, {"past_conv_state.0": conv0, "past_recurrent_state.0": rec0,
+                                   "rollback_data": np.ascontiguousarray(out["rollback_data"][:, :j])})
+        for name, value in zip([o.name for o in replay.get_outputs()], states):
+            assert_close(f"replay j={j}: {name}", value, direct[name], RTOL)

@@ -1,6 +1,6 @@
 """The runtime's contract on tiny random models of every architecture, as target and as drafter.
 
-The checks are the conformance command's own functions (one implementation); this file adds long generations with
+The checks are the runtime's contract module, which the conformance command runs (one implementation); this file adds long generations with
 EOS and stop strings, sampling, the checkpoint path, and the errors.
 """
 
@@ -13,11 +13,14 @@ import pytest
 
 from snapspec import SnapspecError
 from snapspec.runtime import Context, Generator, RollbackError, SamplingParams, final_text, load, stream_text
-from snapspec.tools import conformance
+from snapspec.runtime import contract
 
 ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
-# Each architecture is a target once and a drafter once (the tiny models share one tokenizer).
+# Each architecture is a target once and a drafter once (the tiny models share one tokenizer); the Mamba2 hybrids
+# likewise, each paired with another family (a Qwen3 drafter for a Granite-4.0-H target, as users pair them).
 PAIRS = [(t, ARCHS[(i + 1) % len(ARCHS)]) for i, t in enumerate(ARCHS)]
+MAMBA2_PAIRS = [("granitemoehybrid", "qwen3"), ("nemotron_h", "granitemoehybrid"), ("falcon_h1", "nemotron_h"),
+                ("qwen3_5_text", "falcon_h1")]
 
 
 @pytest.fixture(scope="session")
@@ -33,14 +36,37 @@ def model(tiny_export):
     return get
 
 
-@pytest.mark.parametrize("target,drafter", PAIRS)
+@pytest.mark.parametrize("target,drafter", PAIRS + MAMBA2_PAIRS)
 def test_contract(model, target, drafter):
     """multi-token == one-token steps, rollback exact for j = 0..W (NaN-poisoned buffers), greedy speculative ==
     greedy plain for k = 1..W, counters add up, drafter == target gives acceptance 1.0."""
-    checks = conformance.run_checks(model(target), model(drafter), window=8, new_tokens=24)
+    checks = contract.run_checks(model(target), model(drafter), window=8, new_tokens=24)
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     assert not failed, failed
     assert {c.where for c in checks} >= {"target", "drafter", "pair"}
+
+
+@pytest.mark.parametrize("target,drafter", MAMBA2_PAIRS[:3])
+def test_mamba2_checkpoint_and_window_paths(model, target, drafter):
+    """Greedy speculative == greedy plain for k = 1..8 beyond the contract's defaults (replay target, ring drafter,
+    window 8): with every round forced through the checkpoint path, and with a window of 3, so that rounds drafting
+    more take the checkpoint path and the others roll back by replay and ring slots, mixed in one run. NaN-poisoned
+    buffers; the plain output is not degenerate."""
+    t, d = model(target), model(drafter)
+    prompt = t.encode("Rolling back the state of a hybrid model")
+    plain = Generator(t, prompt, max_new_tokens=24, stop_at_eos=False, poison=True).run()
+    assert len(set(plain)) > 4, f"degenerate greedy output {plain}"
+    seen = set()
+    for k in range(1, 9):
+        forced = Generator(t, prompt, drafter=d, max_new_tokens=24, draft_max=k, rollback="checkpoint",
+                           stop_at_eos=False, poison=True)
+        assert forced.run() == plain, f"k={k}, checkpoint rollback"
+        assert set(forced.stats.rollbacks) <= {"checkpoint"}, dict(forced.stats.rollbacks)
+        mixed = Generator(t, prompt, drafter=d, max_new_tokens=24, draft_max=k, window=3, stop_at_eos=False,
+                          poison=True)
+        assert mixed.run() == plain, f"k={k}, window 3"
+        seen |= mixed.modes_used
+    assert {"target:replay", "drafter:ring" if d.has_recurrent else "drafter:truncate", "checkpoint"} <= seen, seen
 
 
 @pytest.mark.parametrize("target,drafter", PAIRS[:2])
@@ -176,17 +202,18 @@ def test_max_new_tokens_stops_at_context(model):
 
 
 def test_nonfinite_logits_stop(model, monkeypatch):
+    """Where logits come to the host (sampling), non-finite rows stop the run. Greedy steps move ids only."""
     t = model("qwen3_5_text")
-    g = Generator(t, [1, 2, 3], max_new_tokens=10, stop_at_eos=False)
+    g = Generator(t, [1, 2, 3], max_new_tokens=10, stop_at_eos=False, sampling=SamplingParams(temperature=1.0, seed=0))
     real = g.tctx.forward
     calls = {"n": 0}
 
-    def broken(tokens):
+    def broken(tokens, *args, **kwargs):
         calls["n"] += 1
-        rows = real(tokens)
+        rows = real(tokens, *args, **kwargs)
         if calls["n"] == 3:
-            rows = rows.copy()
-            rows[-1, 5] = np.nan
+            rows.logits = rows.logits.copy()
+            rows.logits[-1, 5] = np.nan
         return rows
 
     monkeypatch.setattr(g.tctx, "forward", broken)

@@ -1,4 +1,5 @@
-"""bench arithmetic and its failure on a text mismatch; conformance failing on a broken export; info; demo."""
+"""bench arithmetic and its failure on a text mismatch; conformance failing on a broken export; info; demo; the
+tools on the Mamba2 hybrids."""
 
 from __future__ import annotations
 
@@ -80,14 +81,14 @@ def test_bench_runs_and_reports(tiny_export, tmp_path, capsys):
     assert prov["onnxruntime"] and prov["manifests"]["target"] and prov["cores"]
 
 
-def _break_replay(folder):
-    """Drop the decay from the replay graph's rule (gated_delta -> delta): checksums re-written, so only the
-    contract can catch it."""
+def _break_replay(folder, rule: bytes = b"delta"):
+    """Drop the decay from the replay graph's rule (gated_delta -> delta, gated -> linear): checksums re-written,
+    so only the contract can catch it."""
     model = onnx.load(str(folder / "replay.onnx"))
     for node in model.graph.node:
         for attr in node.attribute:
             if attr.name == "update_rule":
-                attr.s = b"delta"
+                attr.s = rule
     onnx.save_model(model, str(folder / "replay.onnx"), save_as_external_data=True,
                     all_tensors_to_one_file=True, location="replay.onnx.data", size_threshold=1024)
     data = json.loads((folder / "snapspec.json").read_text())
@@ -167,3 +168,34 @@ def test_bench_vs_genai(tiny_export, tmp_path):
     g = json.loads(out.read_text())["genai"]
     assert g["text_matches_snapspec_plain"] and g["plain_tokens_per_s"]["median"] > 0
     assert "RewindTo" in g["draft_speculation_answer"]  # genai cannot roll a Qwen3.5 target's state back
+
+
+def test_tools_on_mamba2_hybrids(tiny_export, tmp_path, capsys):
+    """info, conformance and bench on the Mamba2 families: layer kinds and the SSM state as the manifest declares
+    them, the contract on a Falcon-H1 target with a Nemotron-H drafter, a bench of a Granite-4.0-H target with a
+    Qwen3 drafter; and conformance catching a Mamba2 replay that drops the decay (gated -> linear rule)."""
+    nemotron = tiny_export("nemotron_h")
+    assert main(["info", str(nemotron), "--ctx", "128", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layer_kinds"] == {"mamba2": 2, "mlp": 1, "attention": 1, "moe": 1}
+    assert info["state"]["recurrent"]["shape"] == ["batch", 4, 16, 22]  # [batch, heads, d_state, head_dim]
+    assert info["state"]["conv"]["shape"] == ["batch", 2, 4 * 22 + 2 * 2 * 16]  # [batch, kernel-1, x + B + C]
+    assert main(["info", str(tiny_export("falcon_h1"))]) == 0
+    assert "3 attention+mamba2" in capsys.readouterr().out
+
+    assert main(["conformance", "--target", str(tiny_export("falcon_h1")), "--drafter", str(nemotron),
+                 "--threads", "1", "--new-tokens", "12"]) == 0
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--target", str(tiny_export("granitemoehybrid")), "--drafter", str(tiny_export("qwen3")),
+                 "--prompts", str(prompts), "--k", "2", "--reps", "1", "--max-new-tokens", "12", "--threads", "1",
+                 "--json", str(out)]) == 0
+    assert all(c["text_matches_plain"] for c in json.loads(out.read_text())["configs"])
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_export("granitemoehybrid"), broken)
+    _break_replay(broken, b"linear")
+    capsys.readouterr()
+    assert main(["conformance", "--target", str(broken), "--threads", "1", "--new-tokens", "8"]) == 1
+    assert "FAIL" in capsys.readouterr().out

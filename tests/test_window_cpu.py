@@ -140,7 +140,7 @@ def test_synthetic_graphs_agree_with_the_reference(folder, windowed):
     toks = [3, 1, 4, 1, 5, 9, 2, 6]
     for model in (plain, windowed):
         ctx = Context(model, 64)
-        rows = ctx.forward(toks)
+        rows = ctx.forward(toks).logits
         assert np.allclose(rows[-1], _logits(_reference(toks)), rtol=1e-5, atol=1e-4)
         state = ctx.state_snapshot()["past_recurrent_state.0"].reshape(-1)
         assert np.allclose(state, _reference(toks), rtol=1e-5, atol=1e-4)
@@ -164,7 +164,7 @@ def test_window_rollback_random_walk(windowed):
                 continue
             new = rng.integers(0, 64, size=t).tolist()
             start = len(seq)
-            rows = ctx.forward(new)
+            rows = ctx.forward(new).logits
             seq += new
             assert np.allclose(rows[-1], _logits(_reference(seq)), rtol=1e-5, atol=1e-4), step
             # What the mode offers: the state before the call and after each of its last W tokens, nothing else.

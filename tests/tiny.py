@@ -47,6 +47,13 @@ SPECS = {
                            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=80,
                            num_position_embeddings=16),
         tie_word_embeddings=False)),
+    "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        text_config=dict(_QWEN35_TEXT, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=2,
+                         moe_intermediate_size=48, shared_expert_intermediate_size=56),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=80,
+                           num_position_embeddings=16),
+        tie_word_embeddings=False)),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         hidden_size=96, intermediate_size=120, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=24, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
@@ -61,23 +68,48 @@ SPECS = {
         block_auto_adjust_ff_dim=True, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv", "conv"], conv_L_cache=3,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)),
+    # Mamba2 hybrids: heads != groups != d_state != head_dim, every multiplier away from 1, transformers' SSD chunk
+    # (32) below the 70-token prefill, so its chunked scan crosses chunk boundaries.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        hidden_size=96, intermediate_size=40, shared_intermediate_size=56, num_local_experts=5, num_experts_per_tok=2,
+        num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "mamba"], num_attention_heads=4,
+        num_key_value_heads=2, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=20, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=32, position_embedding_type="nope", embedding_multiplier=2.0, residual_multiplier=0.6,
+        attention_multiplier=0.09, logits_scaling=1.5, tie_word_embeddings=False)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        hidden_size=80, layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, mamba_num_heads=4, mamba_head_dim=22, n_groups=2,
+        ssm_state_size=16, conv_kernel=3, chunk_size=32, intermediate_size=112, n_routed_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=36, moe_shared_expert_intermediate_size=52, n_group=2,
+        topk_group=1, routed_scaling_factor=1.7, norm_topk_prob=True, tie_word_embeddings=False)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(
+        hidden_size=80, head_dim=24, intermediate_size=104, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=20, mamba_d_conv=4,
+        mamba_chunk_size=32, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, embedding_multiplier=1.3,
+        lm_head_multiplier=0.7, mlp_multipliers=[0.8, 1.2], key_multiplier=0.9, attention_in_multiplier=1.1,
+        attention_out_multiplier=0.75, ssm_multipliers=[0.9, 1.2, 0.8, 1.1, 0.7], ssm_in_multiplier=1.25,
+        ssm_out_multiplier=0.85, tie_word_embeddings=False)),
 }
+MAMBA2_TYPES = ("granitemoehybrid", "nemotron_h", "falcon_h1")
 MODEL_TYPES = tuple(SPECS)
 # Large weights make greedy output varied but also amplify float32 rounding. Measured over 70-token prefills, as
 # the worst error of transformers and of onnxruntime (each in float32) relative to the tensor's scale: Qwen3.5 at 0.2
 # reaches 9e-5 (at one position of one prompt), at 0.15 stays under 3.5e-5; Qwen3-Next
 # (MoE plus a sigmoid-gated shared expert grow the residual stream faster) at 0.2 reaches 3e-4, at 0.1 2e-5.
-_INIT = {"qwen3_next": 0.1, "qwen3_5_text": 0.15, "qwen3_5": 0.15}
+_INIT = {"qwen3_next": 0.1, "qwen3_5_text": 0.15, "qwen3_5": 0.15, "qwen3_5_moe": 0.1}
 
 
-def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
-    """A byte-level BPE trained on a few sentences, padded with extra special tokens to exactly vocab_size."""
+def make_tokenizer(vocab_size: int = VOCAB, specials: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE trained on a few sentences, then `specials` (chat control tokens) as special tokens, padded
+    with extra special tokens to exactly vocab_size."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_TEXT, trainer)
+    tok.add_special_tokens(list(specials))
     missing = vocab_size - tok.get_vocab_size()
     if missing < 0:
         raise ValueError(f"tokenizer came out with {tok.get_vocab_size()} tokens, more than {vocab_size}")
@@ -87,14 +119,15 @@ def make_tokenizer(vocab_size: int = VOCAB) -> Tokenizer:
 
 
 def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range: float | None = None,
-              vocab_size: int = VOCAB, **overrides) -> Path:
-    """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`."""
+              vocab_size: int = VOCAB, tokenizer: Tokenizer | None = None, **overrides) -> Path:
+    """Build, save (bf16 safetensors + tokenizer files) and return `folder` with a tiny random `model_type`
+    (tokenizer: one of vocab_size tokens to save instead of make_tokenizer's)."""
     config_cls, model_cls, kwargs = SPECS[model_type]
     initializer_range = initializer_range or _INIT.get(model_type, 0.2)
     kwargs = {**kwargs, **overrides}
     common = dict(vocab_size=vocab_size, initializer_range=initializer_range, eos_token_id=0, bos_token_id=0,
                   pad_token_id=0, max_position_embeddings=512)
-    if model_type == "qwen3_5":
+    if "text_config" in kwargs:
         kwargs["text_config"] = {**kwargs["text_config"], **common}
         kwargs["vision_config"] = {**kwargs["vision_config"], "initializer_range": initializer_range}
     else:
@@ -103,10 +136,11 @@ def make_tiny(model_type: str, folder: Path, *, seed: int = 0, initializer_range
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     _perturb_norms(model, seed)
+    _perturb_ssm(model, seed)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(folder)
-    make_tokenizer(vocab_size).save(str(folder / "tokenizer.json"))
+    (tokenizer or make_tokenizer(vocab_size)).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS, "pad_token": EOS,
          "model_max_length": 512}, indent=2))
@@ -124,11 +158,31 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
                 module.weight.add_(torch.randn(module.weight.shape, generator=gen) * 0.2)
 
 
+def _perturb_ssm(model: torch.nn.Module, seed: int) -> None:
+    """Give every Mamba2 head its own A, D and dt bias (transformers initialises them to 1..H, 1 and a constant, so
+    a head mix-up would pass), and the Nemotron-H router a correction bias (initially zero). dt_bias around 0.5
+    keeps softplus(dt) clear of Nemotron-H's time_step_min clip, which transformers applies in its multi-token path
+    only."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "A_log", None) is not None and getattr(module, "D", None) is not None:  # Mamba2 only
+                n = module.A_log.shape
+                module.A_log.copy_(torch.rand(n, generator=gen) * 2.0 - 1.0)  # A in -[0.37, 2.7]
+                module.D.copy_(torch.randn(n, generator=gen) * 0.5 + 1.0)
+                module.dt_bias.copy_(torch.randn(n, generator=gen) * 0.5 + 0.5)
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.copy_(torch.randn(module.e_score_correction_bias.shape,
+                                                                 generator=gen) * 0.1)
+
+
 def load_hf(folder: Path, dtype: torch.dtype = torch.float32):
     """A saved tiny (or real) checkpoint as a transformers model in eval mode: eager attention, eager experts
     (the plain per-expert loop, which also runs in float64)."""
     config = transformers.AutoConfig.from_pretrained(folder)
-    cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration}.get(config.model_type,
-                                                                         transformers.AutoModelForCausalLM)
-    extra = {"experts_implementation": "eager"} if config.model_type == "qwen3_next" else {}
+    cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
+           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}.get(config.model_type,
+                                                                              transformers.AutoModelForCausalLM)
+    moe = ("qwen3_next", "qwen3_5_moe", "granitemoehybrid", "nemotron_h")
+    extra = {"experts_implementation": "eager"} if config.model_type in moe else {}
     return cls.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **extra).eval()

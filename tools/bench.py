@@ -21,6 +21,8 @@ import numpy as np
 import snapspec
 from snapspec import SnapspecError
 
+from .options import add_json_flag
+
 # -- arithmetic (unit-tested) -----------------------------------------------------------------------------------------
 
 
@@ -43,9 +45,11 @@ def quotable(speedup: float, drift: float) -> bool:
     return abs(speedup - 1.0) > drift
 
 
-def predicted_speedup(C: list[float], c: float, r: float, k: int, m: float) -> float:
-    """m / (C(k+1) + k*c + r), C listed from n = 1."""
-    return m / (C[k] + k * c + r)
+def predicted_speedup(C: list[float], c: float, r: float, k: int, m: float, hit: float = 1.0) -> float:
+    """m / (C(k+1) + k*c + r), C listed from n = 1. With a drafter that may find no draft (n-gram lookup), a share
+    1 - hit of the steps are plain ones, each emitting 1 token for 1 unit:
+    (hit*m + 1 - hit) / (hit*(C(k+1) + k*c + r) + 1 - hit)."""
+    return (hit * m + 1 - hit) / (hit * (C[k] + k * c + r) + 1 - hit)
 
 
 def rollback_share(C: list[float], c: float, r: float, k: int) -> float:
@@ -72,6 +76,7 @@ class Config:
     label: str
     k: int | str  # int or "auto"
     rollback: str  # auto | checkpoint
+    source: int = 0  # index of the drafter in run_bench's list
     tps: list[float] = field(default_factory=list)
     speedup: list[float] = field(default_factory=list)
     acceptance: list[float] = field(default_factory=list)
@@ -80,6 +85,8 @@ class Config:
     decode_s: list[float] = field(default_factory=list)
     rollbacks: dict = field(default_factory=dict)
     draft_lengths: dict = field(default_factory=dict)
+    lookups: int = 0  # n-gram drafts asked for, and found
+    lookup_hits: int = 0
 
 
 def read_prompts(path: Path, limit: int | None) -> list[str]:
@@ -102,7 +109,8 @@ def read_prompts(path: Path, limit: int | None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def provenance(target, drafter, threads) -> dict:
+def provenance(target, drafters, threads) -> dict:
+    """Versions, machine and models of a run; `drafters`: the Models among the drafters (one is keyed "drafter")."""
     import onnxruntime as ort
     root = Path(__file__).resolve().parent.parent
     rev = None
@@ -123,19 +131,30 @@ def provenance(target, drafter, threads) -> dict:
                 break
     except OSError:
         pass
+    keys = {"target": target}
+    keys.update({"drafter" if len(drafters) == 1 else f"drafter {d.folder.name}": d for d in drafters})
     return {"snapspec": snapspec.__version__, "git": rev, "onnxruntime": ort.__version__,
-            "providers": {"target": target.providers_used(), "drafter": drafter.providers_used()},
-            "manifests": {"target": target.manifest.digest(), "drafter": drafter.manifest.digest()},
-            "exports": {"target": target.manifest.data["export"], "drafter": drafter.manifest.data["export"]},
+            "providers": {key: m.providers_used() for key, m in keys.items()},
+            "manifests": {key: m.manifest.digest() for key, m in keys.items()},
+            "exports": {key: m.manifest.data["export"] for key, m in keys.items()},
+            "cuda_graph": {key: m.graph_tokens for key, m in keys.items()},
             "threads": threads, "cpu": cpu, "cores": os.cpu_count(), "python": sys.version.split()[0],
             "platform": platform.platform()}
 
 
-def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tokens: int = 128, reps: int = 3,
+def run_bench(target, drafters, prompts: list[str], ks: list[int], *, max_new_tokens: int = 128, reps: int = 3,
               rollback: str = "auto", adaptive: bool = True, threads=None, progress=None,
               vs_genai: bool = False) -> dict:
-    from snapspec.runtime import Context, Generator, default_mode
-    from snapspec.runtime.adaptive import measure_costs
+    """drafters: a drafter Model or an NgramDrafter, or a list of them: each gets the same configurations, all
+    bracketed by the same plain runs (several drafters are compared within one run)."""
+    from snapspec.runtime import Context, Generator, Model, ModelDrafter, SamplingParams, Stats, default_mode
+
+    from .options import drafter_label
+
+    drafters = list(drafters) if isinstance(drafters, (list, tuple)) else [drafters]
+    labels = [drafter_label(d) for d in drafters]
+    if len(set(labels)) < len(labels):
+        raise SnapspecError(f"the same drafter twice: {', '.join(labels)}")
 
     window = max(max(ks), target.manifest.rollback["window"])
     ids = [target.encode(p) for p in prompts]
@@ -144,29 +163,41 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
         raise SnapspecError(f"prompts plus {max_new_tokens} new tokens need a context of {ctx_len}, over the "
                             f"export's {target.manifest.max_context}")
     tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
-    dctx = Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"), window=window)
-    if tctx.slots and tctx.mode not in ("replay", "window"):
+    dctxs = [Context(d, ctx_len, mode=default_mode(d, "drafter"), window=window) if isinstance(d, Model) else None
+             for d in drafters]
+    if tctx.recurrent and tctx.mode not in ("replay", "window"):
         raise SnapspecError(f"{target.folder} cannot roll back its recurrent state without a checkpoint (no replay "
                             "graph, e.g. an onnxruntime-genai builder folder); bench needs a snapspec export as target")
-    if tctx.slots and max(ks) > tctx.depth:
+    if tctx.recurrent and max(ks) > tctx.depth:
         raise SnapspecError(f"the target's {tctx.mode} rollback undoes at most {tctx.depth} draft tokens; bench k up "
                             f"to {tctx.depth}")
 
-    # The cost model's terms, on a context prefilled with the first prompt.
-    tctx.forward(ids[0])
-    dctx.forward(ids[0])
-    costs = measure_costs(tctx, dctx, max(ks) + 1, reps=9, tokens=(ids[0] * 9)[: max(ks) + 1])
-    tctx.reset()
-    dctx.reset()
+    # The cost model's terms of each drafter, on contexts prefilled with the first prompt.
+    all_costs = []
+    for d, dctx in zip(drafters, dctxs):
+        tctx.reset()
+        tctx.prefill(ids[0], logits=False)
+        if dctx is not None:
+            dctx.reset()
+            dctx.prefill(ids[0], logits=False)
+            d = ModelDrafter(dctx)
+        else:
+            d.start(ids[0], sampling=SamplingParams(), rng=np.random.default_rng(0), stats=Stats())
+        all_costs.append(d.measure_costs(tctx, max(ks) + 1, reps=9, tokens=(ids[0] * 9)[: max(ks) + 1]))
 
     modes = ["auto", "checkpoint"] if rollback == "both" else [rollback]
-    configs = [Config(f"k={k}" + ("" if m == "auto" else " checkpoint"), k, m) for m in modes for k in ks]
-    if adaptive:
-        configs.append(Config("k=auto", "auto", "auto"))
+    configs = []
+    for src, name in enumerate(labels):
+        prefix = f"{name} " if len(drafters) > 1 else ""
+        configs += [Config(f"{prefix}k={k}" + ("" if m == "auto" else " checkpoint"), k, m, src)
+                    for m in modes for k in ks]
+        if adaptive:
+            configs.append(Config(f"{prefix}k=auto", "auto", "auto", src))
 
     def plain_pass():
         toks, secs, outs = 0, 0.0, []
         for i in ids:
+            tctx.reset()  # every run from scratch: a reused context would resume what the last run left
             g = Generator(target, i, max_new_tokens=max_new_tokens, stop_at_eos=False, target_ctx=tctx)
             g.run()
             toks += len(g.tokens) - 1
@@ -185,7 +216,11 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
         per_config = []
         for cfg in configs:
             toks, secs, st = 0, 0.0, []
+            drafter, dctx, costs = drafters[cfg.source], dctxs[cfg.source], all_costs[cfg.source]
             for n, i in enumerate(ids):
+                tctx.reset()
+                if dctx is not None:
+                    dctx.reset()
                 g = Generator(target, i, drafter=drafter, max_new_tokens=max_new_tokens, stop_at_eos=False,
                               draft_max=cfg.k, rollback=cfg.rollback, window=window, target_ctx=tctx,
                               drafter_ctx=dctx, costs=costs)
@@ -221,26 +256,38 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
                     cfg.rollbacks[key] = cfg.rollbacks.get(key, 0) + v
                 for key, v in s.draft_lengths.items():
                     cfg.draft_lengths[str(key)] = cfg.draft_lengths.get(str(key), 0) + v
+                cfg.lookups += s.lookups
+                cfg.lookup_hits += s.lookup_hits
 
     rows = []
     for cfg in configs:
+        costs = all_costs[cfg.source]
         m = float(np.median(cfg.emitted))
-        row = {"label": cfg.label, "k": cfg.k, "rollback": cfg.rollback, "tokens_per_s": spread(cfg.tps),
-               "speedup": spread(cfg.speedup), "acceptance": float(np.median(cfg.acceptance)),
-               "mean_emitted_per_round": m, "rollbacks": cfg.rollbacks,
-               "rollback_time_share": float(np.sum(cfg.rollback_s) / np.sum(cfg.decode_s)),
+        row = {"label": cfg.label, "drafter": labels[cfg.source], "k": cfg.k, "rollback": cfg.rollback,
+               "tokens_per_s": spread(cfg.tps), "speedup": spread(cfg.speedup),
+               "acceptance": float(np.median(cfg.acceptance)), "mean_emitted_per_round": m,
+               "rollbacks": cfg.rollbacks, "rollback_time_share": float(np.sum(cfg.rollback_s) / np.sum(cfg.decode_s)),
                "text_matches_plain": True}
+        hit = cfg.lookup_hits / cfg.lookups if cfg.lookups else 1.0
+        if cfg.lookups:
+            row["lookup_hit_rate"] = hit  # steps whose lookup found a draft (the others were plain steps)
         if cfg.k != "auto":
-            row["predicted_speedup"] = predicted_speedup(costs.C, costs.c, costs.r, cfg.k, m) \
+            row["predicted_speedup"] = predicted_speedup(costs.C, costs.c, costs.r, cfg.k, m, hit) \
                 if cfg.rollback == "auto" else None
             row["model_rollback_share"] = rollback_share(costs.C, costs.c, costs.r, cfg.k)
         else:
             row["draft_lengths"] = cfg.draft_lengths
         row["quotable"] = quotable(row["speedup"]["median"], float(np.max(drift)))
         rows.append(row)
-    fixed = [r for r in rows if r["k"] != "auto" and r["rollback"] == "auto"]
-    best = max(fixed, key=lambda r: r["speedup"]["median"]) if fixed else None
-    auto = next((r for r in rows if r["k"] == "auto"), None)
+    per_drafter = {}
+    for name in labels:
+        fixed = [r for r in rows if r["drafter"] == name and r["k"] != "auto" and r["rollback"] == "auto"]
+        best = max(fixed, key=lambda r: r["speedup"]["median"]) if fixed else None
+        auto = next((r for r in rows if r["drafter"] == name and r["k"] == "auto"), None)
+        per_drafter[name] = {
+            "best_fixed": best and {"label": best["label"], "speedup": best["speedup"]["median"]},
+            "adaptive_vs_best": (auto["speedup"]["median"] / best["speedup"]["median"]) if auto and best else None}
+    models = [d for d in drafters if isinstance(d, Model)]
     genai = None
     if vs_genai:
         from . import genai_compare
@@ -248,48 +295,60 @@ def run_bench(target, drafter, prompts: list[str], ks: list[int], *, max_new_tok
         genai = {"plain_tokens_per_s": spread(genai_tps),
                  "snapspec_plain_over_genai": spread([b / g for b, g in zip(base, genai_tps)]),
                  "text_matches_snapspec_plain": True,
-                 "draft_speculation_answer": genai_compare.draft_answer(target.folder, drafter.folder, ids[0])}
+                 "draft_speculation_answer": genai_compare.draft_answer(target.folder, models[0].folder, ids[0])
+                 if models else None}
         if best_cfg := max((c for c in configs if c.k != "auto" and c.rollback == "auto"),
                        key=lambda c: np.median(c.speedup), default=None):
             genai["snapspec_best_speculative_over_genai"] = spread([t / g for t, g in zip(best_cfg.tps, genai_tps)])
     return {
         "genai": genai,
         "plain": {"before": spread(plain_a), "after": spread(plain_b), "drift": spread(drift)},
-        "cost_model": {"C": costs.C, "c": costs.c, "r": costs.r, "target_step_ms": costs.step_seconds * 1e3},
+        "drafters": labels,
+        "cost_model": _costs_dict(all_costs[0]),  # the first drafter's; all of them in cost_models
+        "cost_models": {name: _costs_dict(c) for name, c in zip(labels, all_costs)},
         "configs": rows,
-        "best_fixed": best and {"label": best["label"], "speedup": best["speedup"]["median"]},
-        "adaptive_vs_best": (auto["speedup"]["median"] / best["speedup"]["median"]) if auto and best else None,
+        **per_drafter[labels[0]],  # best_fixed, adaptive_vs_best of the first drafter; all of them in per_drafter
+        "per_drafter": per_drafter,
         "settings": {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "reps": reps, "ks": ks,
                      "window": window, "greedy": True},
     }
+
+
+def _costs_dict(costs) -> dict:
+    return {"C": costs.C, "c": costs.c, "r": costs.r, "target_step_ms": costs.step_seconds * 1e3}
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
 
 
 def add_parser(sub, runtime_flags):
+    from .options import add_drafter_flags
+
     p = sub.add_parser("bench", help="measure speculative vs plain decoding and the cost model")
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path, required=True)
+    p.add_argument("--target", type=Path, required=True, help="exported target folder")
+    add_drafter_flags(p, required=True, repeat=True)
     p.add_argument("--prompts", type=Path, required=True, help="JSON Lines with a \"prompt\" field")
     p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     p.add_argument("--k", default="1,2,3,4,6,8", help="comma-separated draft lengths")
     p.add_argument("--draft-max", choices=["auto", "fixed"], default="auto",
                    help="auto: also run the adaptive draft length (default)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--rollback", choices=["auto", "checkpoint", "both"], default="both")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and run (default 128)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (default 3)")
+    p.add_argument("--rollback", choices=["auto", "checkpoint", "both"], default="both",
+                   help="bounded rollback, the checkpoint baseline, or both (default)")
     p.add_argument("--vs-genai", action="store_true",
                    help="also time onnxruntime-genai's plain decoding of the target folder, in the same run")
-    p.add_argument("--json", type=Path, dest="json_out")
-    p.add_argument("--plot", type=Path)
+    add_json_flag(p, "the measurements and their provenance")
+    p.add_argument("--plot", type=Path, help="write a PNG of speedup and acceptance against k (needs matplotlib)")
     runtime_flags(p)
 
 
 def run(args) -> int:
-    from .options import load_models
-    from rich.console import Console
     from rich.progress import Progress
+
+    from snapspec.runtime import Model
+
+    from .options import console, load_drafters, write_json
 
     from snapspec.runtime.generation import check_pair
 
@@ -307,52 +366,60 @@ def run(args) -> int:
         except ImportError:
             raise SnapspecError("--plot needs matplotlib: pip install 'snapspec[bench]'") from None
     prompts = read_prompts(args.prompts, args.limit)
-    target, drafter = load_models(args, args.target, args.drafter)
-    check_pair(target, drafter)
-    con = Console(stderr=True)
-    n_cfg = len(ks) * (2 if args.rollback == "both" else 1) + (args.draft_max == "auto")
+    target, drafters = load_drafters(args, args.target, args.drafter)
+    models = [d for d in drafters if isinstance(d, Model)]
+    for d in models:
+        check_pair(target, d)
+    threads = args.threads_used["target"] if isinstance(args.threads_used["target"], int) else None  # as loaded
+    con = console(stderr=True)
+    n_cfg = len(drafters) * (len(ks) * (2 if args.rollback == "both" else 1) + (args.draft_max == "auto"))
     total = args.reps * len(prompts) * (n_cfg + 2 + args.vs_genai)
     with Progress(console=con, transient=True) as bar:
         task = bar.add_task("bench", total=total)
-        result = run_bench(target, drafter, prompts, ks, max_new_tokens=args.max_new_tokens, reps=args.reps,
-                           rollback=args.rollback, adaptive=args.draft_max == "auto", threads=args.threads,
+        result = run_bench(target, drafters, prompts, ks, max_new_tokens=args.max_new_tokens, reps=args.reps,
+                           rollback=args.rollback, adaptive=args.draft_max == "auto", threads=threads,
                            progress=lambda: bar.advance(task), vs_genai=args.vs_genai)
-    result["provenance"] = provenance(target, drafter, args.threads)
+    result["provenance"] = provenance(target, models, args.threads_used)
     result["command"] = "snapspec " + " ".join(sys.argv[1:])
-    print_table(result)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=2))
+    print_table(result, stderr=args.json == "-")
+    if args.json:
+        write_json(args, result)
     if args.plot:
         plot(result, args.plot)
     return 0
 
 
-def print_table(result: dict) -> None:
-    from rich.console import Console
+def print_table(result: dict, stderr: bool = False) -> None:
     from rich.table import Table
 
-    con = Console()
+    from .options import console
+
+    con = console(stderr)
     p = result["plain"]
-    cm = result["cost_model"]
     prov = result["provenance"]
     con.print(f"snapspec {prov['snapspec']} ({prov['git']}), onnxruntime {prov['onnxruntime']} "
               f"{prov['providers']['target']}, threads {prov['threads']}, {prov['cpu']} ({prov['cores']} cores)")
     con.print(f"plain decoding: {p['before']['median']:.1f} tok/s before, {p['after']['median']:.1f} after "
               f"(drift median {p['drift']['median']:.1%}, max {p['drift']['max']:.1%})")
-    con.print("cost model: C(n) = " + ", ".join(f"{x:.2f}" for x in cm["C"]) +
-              f"; drafter step c = {cm['c']:.3f}; rollback r = {cm['r']:.3f} (unit: {cm['target_step_ms']:.2f} ms)")
+    for name, cm in result["cost_models"].items():
+        step = "lookup" if name.startswith("ngram") else "drafter step"
+        con.print(f"cost model ({name}): C(n) = " + ", ".join(f"{x:.2f}" for x in cm["C"]) +
+                  f"; {step} c = {cm['c']:.4f}; rollback r = {cm['r']:.3f} (unit: {cm['target_step_ms']:.2f} ms)")
     t = Table(title=f"{result['settings']['prompts']} prompts x {result['settings']['max_new_tokens']} tokens, "
                     f"{result['settings']['reps']} reps, greedy; text equals plain greedy in every run")
+    lookups = any("lookup_hit_rate" in r for r in result["configs"])
     for col in ("config", "tok/s", "speedup (min-max)", "predicted", "acceptance", "emitted/round",
-                "rollback share", "rollbacks"):
+                *(["lookup hits"] if lookups else []), "rollback share", "rollbacks"):
         t.add_column(col)
     for r in result["configs"]:
         s = r["speedup"]
         pred = r.get("predicted_speedup")
+        hits = [f"{r['lookup_hit_rate']:.1%}" if "lookup_hit_rate" in r else "-"] if lookups else []
         t.add_row(r["label"], f"{r['tokens_per_s']['median']:.1f}",
                   f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" + ("" if r["quotable"] else " *"),
                   f"{pred:.2f}x" if pred else "-", f"{r['acceptance']:.3f}", f"{r['mean_emitted_per_round']:.2f}",
-                  f"{r['rollback_time_share']:.1%}", ", ".join(f"{k} {v}" for k, v in sorted(r["rollbacks"].items())))
+                  *hits, f"{r['rollback_time_share']:.1%}",
+                  ", ".join(f"{k} {v}" for k, v in sorted(r["rollbacks"].items())))
     con.print(t)
     if result.get("genai"):
         gq = result["genai"]
@@ -362,10 +429,11 @@ def print_table(result: dict) -> None:
                      f"{gq['snapspec_best_speculative_over_genai']['median']:.2f}x"
                      if "snapspec_best_speculative_over_genai" in gq else ""))
         con.print(f"onnxruntime-genai asked for draft-model speculation on this pair: {gq['draft_speculation_answer']}")
-    if result.get("best_fixed"):
-        con.print(f"best fixed: {result['best_fixed']['label']} at {result['best_fixed']['speedup']:.2f}x" +
-                  (f"; adaptive k reaches {result['adaptive_vs_best']:.1%} of it" if result["adaptive_vs_best"]
-                   else ""))
+    for best in result["per_drafter"].values():
+        if best["best_fixed"]:
+            con.print(f"best fixed: {best['best_fixed']['label']} at {best['best_fixed']['speedup']:.2f}x" +
+                      (f"; adaptive k reaches {best['adaptive_vs_best']:.1%} of it" if best["adaptive_vs_best"]
+                       else ""))
     if any(not r["quotable"] for r in result["configs"]):
         con.print("* smaller than the plain-vs-plain drift of this run: not quotable")
 
@@ -375,25 +443,31 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fixed = [r for r in result["configs"] if r["k"] != "auto"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode, style in (("auto", "o-"), ("checkpoint", "s--")):
-        rows = [r for r in fixed if r["rollback"] == mode]
-        if not rows:
-            continue
-        ks = [r["k"] for r in rows]
-        med = [r["speedup"]["median"] for r in rows]
-        lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
-        hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
-        ax1.errorbar(ks, med, yerr=[lo, hi], fmt=style, capsize=3,
-                     label="measured, bounded rollback" if mode == "auto" else "measured, checkpoint path")
-        if mode == "auto":
-            ax1.plot(ks, [r["predicted_speedup"] for r in rows], "k:", label="predicted (cost model)")
-            ax2.plot(ks, [r["acceptance"] for r in rows], "o-", label="acceptance")
-            ax2.plot(ks, [r["mean_emitted_per_round"] for r in rows], "s-", label="emitted per round")
-    auto = next((r for r in result["configs"] if r["k"] == "auto"), None)
-    if auto:
-        ax1.axhline(auto["speedup"]["median"], color="g", alpha=0.5, label="adaptive k")
+    names = result.get("drafters") or [None]
+    for name in names:
+        tag = f"{name}: " if len(names) > 1 else ""
+        mine = [r for r in result["configs"] if name is None or r.get("drafter") == name]
+        fixed = [r for r in mine if r["k"] != "auto"]
+        for mode, style in (("auto", "o-"), ("checkpoint", "s--")):
+            rows = [r for r in fixed if r["rollback"] == mode]
+            if not rows:
+                continue
+            ks = [r["k"] for r in rows]
+            med = [r["speedup"]["median"] for r in rows]
+            lo = [r["speedup"]["median"] - r["speedup"]["min"] for r in rows]
+            hi = [r["speedup"]["max"] - r["speedup"]["median"] for r in rows]
+            line = ax1.errorbar(ks, med, yerr=[lo, hi], fmt=style, capsize=3,
+                                label=tag + ("measured, bounded rollback" if mode == "auto"
+                                             else "measured, checkpoint path"))
+            if mode == "auto":
+                ax1.plot(ks, [r["predicted_speedup"] for r in rows], ":", color=line[0].get_color(),
+                         label=tag + "predicted (cost model)")
+                ax2.plot(ks, [r["acceptance"] for r in rows], "o-", label=tag + "acceptance")
+                ax2.plot(ks, [r["mean_emitted_per_round"] for r in rows], "s-", label=tag + "emitted per round")
+        auto = next((r for r in mine if r["k"] == "auto"), None)
+        if auto:
+            ax1.axhline(auto["speedup"]["median"], alpha=0.5, ls="--", label=tag + "adaptive k")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_xlabel("draft length k")
     ax1.set_ylabel("speedup over plain decoding")

@@ -4,7 +4,6 @@ and exit with status 2."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -12,11 +11,8 @@ from pathlib import Path
 
 from snapspec import SnapspecError, __version__
 
-from .options import add_runtime_flags, load_models, positive_int
-
-
-def _draft_max(value: str):
-    return "auto" if value == "auto" else positive_int(value)
+from .options import (add_drafter_flags, add_generation_flags, add_json_flag, add_runtime_flags, drafter_label,
+                      generation_kwargs, interruptible, json_to_stdout, load_models, positive_int, write_json)
 
 
 class _UsageError(Exception):
@@ -39,44 +35,44 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a Hugging Face checkpoint folder to an ONNX folder with a manifest")
-    p.add_argument("hf_dir", type=Path)
-    p.add_argument("-o", "--out", type=Path, required=True, dest="out_dir")
-    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
-    p.add_argument("--quant", choices=["none", "int4"], default="none")
-    p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32)
+    p.add_argument("hf_dir", type=Path, help="checkpoint folder: config.json, *.safetensors, tokenizer.json")
+    p.add_argument("-o", "--out", type=Path, required=True, dest="out_dir", help="folder to write (made atomically)")
+    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
+                   help="weights and activations (default fp32; CUDA needs fp16)")
+    p.add_argument("--quant", choices=["none", "int4"], default="none", help="int4: MatMulNBits weights (default none)")
+    p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32, help="int4 block size (default 32)")
     p.add_argument("--embedding-dtype", choices=["fp16", "fp32"], default=None,
-                   help="storage of the token embedding table (default: fp16 under int4, else --dtype); fp32 with "
-                        "int4 leaves no float16 tensor, for WebGPU adapters without shader-f16 (browser)")
+                   help="storage of the token embedding table (default: int4 under --quant int4 where the hidden "
+                        "size allows, else fp16 under int4, else --dtype); fp32 with int4 leaves no float16 tensor, "
+                        "for WebGPU adapters without shader-f16 (browser)")
     p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
-    p.add_argument("--max-context", type=positive_int, default=None)
+    p.add_argument("--max-context", type=positive_int, default=None,
+                   help="positions the graph supports (default: the config's, at most 32768)")
     p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
 
     p = sub.add_parser("generate", help="generate text, with or without a drafter")
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path)
+    p.add_argument("--target", type=Path, required=True, help="exported folder of the model that decides the text")
+    add_drafter_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-file", type=Path)
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--draft-max", type=_draft_max, default=4, help="draft length k, or auto")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=positive_int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=positive_int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--rollback", choices=["auto", "checkpoint"], default="auto")
-    p.add_argument("--context", type=positive_int, default=None, help="context length (default: the export's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    src.add_argument("--prompt", help="the prompt text (with --chat: the user message)")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file; - reads standard input")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is a user message, rendered with the export's chat template")
+    p.add_argument("--system", help="system message (implies --chat)")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="with --chat: join the messages as plain text instead of rendering the chat template")
+    add_generation_flags(p)
+    add_json_flag(p, "text, token ids, stats, providers and rollback modes (partial after Ctrl-C)")
     add_runtime_flags(p)
 
     p = sub.add_parser("info", help="describe an exported folder")
-    p.add_argument("folder", type=Path)
+    p.add_argument("folder", type=Path, help="exported folder")
     p.add_argument("--ctx", type=positive_int, default=4096, help="context length for the memory estimate")
     p.add_argument("--window", type=positive_int, default=None, help="rollback window for the memory estimate")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p, "the description")
 
-    from . import bench, browser_check, conformance, demo, doctor, web  # noqa: E402  (they register their own flags)
-    for module in (bench, conformance, demo, doctor, web, browser_check):
+    from . import bench, browser_check, chat, conformance, demo, doctor, serve, web  # noqa: E402  (own flags)
+    for module in (bench, conformance, demo, doctor, chat, serve, web, browser_check):
         module.add_parser(sub, add_runtime_flags)
     return parser
 
@@ -84,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="snapspec: warning: %(message)s")
     try:
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:
+            raise _UsageError(f"{args.command}: unrecognized arguments: {' '.join(unknown)} "
+                              f"(see `snapspec {args.command} --help`)")
         return int(COMMANDS[args.command](args) or 0)
     except _UsageError as exc:
         print(f"snapspec: error: {exc}", file=sys.stderr)
@@ -116,40 +115,57 @@ def cmd_export(args) -> int:
 def read_prompt(args) -> str:
     if args.prompt is not None:
         return args.prompt
+    name = "standard input" if str(args.prompt_file) == "-" else str(args.prompt_file)
     try:
-        return args.prompt_file.read_bytes().decode("utf-8")
-    except FileNotFoundError:
+        data = sys.stdin.buffer.read() if str(args.prompt_file) == "-" else args.prompt_file.read_bytes()
+        return data.decode("utf-8")
+    except (FileNotFoundError, IsADirectoryError):
         raise SnapspecError(f"prompt file not found: {args.prompt_file}") from None
     except UnicodeDecodeError as exc:
-        raise SnapspecError(f"prompt file {args.prompt_file} is not UTF-8 text ({exc.reason} at byte {exc.start})") \
-            from None
+        raise SnapspecError(f"prompt from {name} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def cmd_generate(args) -> int:
-    from snapspec.runtime import Generator, SamplingParams, final_text, stream_text
-    prompt = read_prompt(args)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    from snapspec.runtime import Generator, final_text, stream_text
+    from snapspec.runtime.chat import chat_format, prompt_ids, stop_at_end_of_turn
+
+    text = read_prompt(args)
     target, drafter = load_models(args, args.target, args.drafter)
-    gen = Generator(target, target.encode(prompt), drafter=drafter, max_new_tokens=args.max_new_tokens,
-                    sampling=sampling, draft_max=args.draft_max, rollback=args.rollback, stop_strings=args.stop,
-                    context=args.context)
+    fmt = chat_format(target)
+    chat = args.chat or args.system is not None
+    if chat:
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        ids = prompt_ids(target, messages + [{"role": "user", "content": text}], raw=args.no_chat_template, fmt=fmt)
+    else:
+        ids = fmt.encode_text(text)
+    gen = Generator(target, ids, drafter=drafter, context=args.context, **generation_kwargs(args))
+    if chat:
+        stop_at_end_of_turn(gen, fmt)
+    quiet = json_to_stdout(args)
+    with interruptible() as stop:
+        for piece in stream_text(gen):
+            if not quiet:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            if stop.set:
+                gen.stop_reason = "interrupted"
+                break
+    if not quiet:
+        sys.stdout.write("\n")
     if args.json:
-        gen.run()
-        print(json.dumps(_result(gen, target, drafter, final_text(gen)), indent=2))
-        return 0
-    for piece in stream_text(gen):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        write_json(args, {**_result(gen, target, drafter, final_text(gen)), "threads": args.threads_used})
     print(_summary(gen, target, drafter), file=sys.stderr)
-    return 0
+    return 130 if gen.stop_reason == "interrupted" else 0
 
 
 def _result(gen, target, drafter, text: str) -> dict:
+    from snapspec.runtime import Model
+    model = drafter if isinstance(drafter, Model) else None  # None: no drafter, or n-gram lookup
     return {"text": text, "token_ids": gen.tokens, "stop_reason": gen.stop_reason, "stats": gen.stats.as_dict(),
-            "providers": {"target": target.providers_used(), **({"drafter": drafter.providers_used()}
-                                                                  if drafter else {})},
-            "rollback_modes": sorted(gen.modes_used), "notes": target.notes + (drafter.notes if drafter else [])}
+            "drafter": drafter_label(drafter) if drafter is not None else None,
+            "providers": {"target": target.providers_used(), **({"drafter": model.providers_used()}
+                                                                  if model else {})},
+            "rollback_modes": sorted(gen.modes_used), "notes": target.notes + (model.notes if model else [])}
 
 
 def _summary(gen, target, drafter) -> str:
@@ -159,6 +175,8 @@ def _summary(gen, target, drafter) -> str:
         parts.append(f"{s.decode_tokens_per_s:.1f} tok/s decode")
     if drafter is not None and s.drafted:
         parts.append(f"acceptance {s.acceptance:.2f} over {s.rounds} rounds, {s.mean_emitted:.2f} tokens/round")
+        if s.lookups:
+            parts.append(f"lookups found a draft {s.lookup_hits}/{s.lookups}")
         parts.append("rollback " + (", ".join(f"{k} x{v}" for k, v in sorted(s.rollbacks.items())) or "none"))
     parts.append("providers " + ",".join(target.providers_used()))
     return "[" + "; ".join(parts) + "]"
@@ -167,7 +185,10 @@ def _summary(gen, target, drafter) -> str:
 def cmd_info(args) -> int:
     from .info import describe, render
     info = describe(args.folder, args.ctx, args.window)
-    print(json.dumps(info, indent=2) if args.json else render(info))
+    if args.json:
+        write_json(args, info)
+    if not json_to_stdout(args):
+        print(render(info))
     return 0
 
 
@@ -180,8 +201,8 @@ def _lazy(module: str, func: str):
 
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "info": cmd_info,
             "bench": _lazy("bench", "run"), "conformance": _lazy("conformance", "run"), "demo": _lazy("demo", "run"),
-            "doctor": _lazy("doctor", "run"), "web": _lazy("web", "run"),
-            "browser-check": _lazy("browser_check", "run")}
+            "doctor": _lazy("doctor", "run"), "chat": _lazy("chat", "run"), "serve": _lazy("serve", "run"),
+            "web": _lazy("web", "run"), "browser-check": _lazy("browser_check", "run")}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -64,22 +64,20 @@ def default_prompt() -> str:
 
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("demo", help="plain vs speculative decoding on the embedded demo pair")
-    p.add_argument("--prompt", default=None)
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--prompt", default=None, help="prompt text (default: the first of the demo's prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate (default 96)")
     p.add_argument("--draft-max", default="auto", help="draft length k, or auto (default: the cost model picks)")
     runtime_flags(p)
 
 
 def run(args) -> int:
-    from .options import load_models
-    from rich.console import Console
     from rich.table import Table
+
+    from .options import console, load_models
 
     from snapspec.runtime import Generator, final_text
 
-    con = Console()
-    if args.threads is None:  # the demo pair is tiny: one thread beats thread-pool overhead
-        args.threads = 1
+    con = console()
     t_dir, d_dir = exported_pair(log=lambda m: con.print(f"[dim]{m}[/]"))
     target, drafter = load_models(args, t_dir, d_dir)
     draft_max = args.draft_max if args.draft_max == "auto" else int(args.draft_max)

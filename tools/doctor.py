@@ -3,10 +3,11 @@ will actually run snapspec's graphs on this machine, with the reason when one wi
 
 from __future__ import annotations
 
-import json
 import platform
 
 import onnxruntime as ort
+
+from .options import add_json_flag
 
 
 def _adapters() -> tuple[list[dict], str | None]:
@@ -29,7 +30,7 @@ def _adapters() -> tuple[list[dict], str | None]:
 
 
 def diagnose() -> dict:
-    from snapspec.runtime.providers import PROVIDERS, available
+    from snapspec.runtime.providers import CUDA_INSTALL, PROVIDERS, available
 
     installed = ort.get_available_providers()
     usable = available()
@@ -57,7 +58,7 @@ def diagnose() -> dict:
             except ImportError:
                 verdict[ep] = "not installed: pip install 'snapspec[webgpu]'"
         elif ep == "cuda":
-            verdict[ep] = "not installed: onnxruntime-gpu (see README for the swap of the onnxruntime wheel)"
+            verdict[ep] = f"not installed: {CUDA_INSTALL} (and an NVIDIA driver for CUDA 13)"
         elif ep == "dml":
             verdict[ep] = "Windows only: pip install 'snapspec[directml]'" if platform.system() != "Windows" else \
                 "not installed: pip install 'snapspec[directml]'"
@@ -71,19 +72,21 @@ def diagnose() -> dict:
 
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("doctor", help="which execution providers will work here, and why not")
-    p.add_argument("--json", action="store_true")
+    add_json_flag(p, "the diagnosis")
 
 
 def run(args) -> int:
+    from .options import console, json_to_stdout, write_json
+
     info = diagnose()
     if args.json:
-        print(json.dumps(info, indent=2))
+        write_json(args, info)
+    if json_to_stdout(args):
         return 0
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    con = Console()
+    con = console()
     con.print(f"onnxruntime {info['onnxruntime']} on {info['platform']}, Python {info['python']}")
     t = Table(title="execution providers")
     t.add_column("--ep")

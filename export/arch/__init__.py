@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from snapspec import SnapspecError
 
-from . import lfm2, qwen3, qwen3_5, qwen3_next
+from . import falcon_h1, granitemoehybrid, lfm2, nemotron_h, qwen3, qwen3_5, qwen3_5_moe, qwen3_next
 
-_MODULES = (qwen3_5, qwen3_next, qwen3, lfm2)
+_MODULES = (qwen3_5, qwen3_5_moe, qwen3_next, qwen3, lfm2, granitemoehybrid, nemotron_h, falcon_h1)
 REGISTRY = {t: m for m in _MODULES for t in m.MODEL_TYPES}
 
 

@@ -3,8 +3,10 @@
 Unusual here: `embedding_norm` is, despite its name, the FINAL norm (applied after the last layer, before the
 head); nothing normalises the embeddings. The MLP width is not `intermediate_size` but derived from it the way
 transformers does (block_auto_adjust_ff_dim: 2/3 of it, times block_ffn_dim_multiplier, rounded up to
-block_multiple_of; the rounding only happens when the multiplier is set). Older configs spell some keys
-differently (`block_ff_dim`, `tie_embedding`, `full_attn_idxs`). Norms use a plain weight; RoPE is full.
+block_multiple_of; the rounding only happens when the multiplier is set). Published configs spell some keys their
+own way, honoured here: `block_dim` (= hidden_size), `block_ff_dim` (wins over intermediate_size),
+`block_norm_eps`, `num_heads`, `full_attn_idxs` (when there is no `layer_types`); `tie_embedding` needs nothing:
+the head is `lm_head.weight` when the checkpoint has one. Norms use a plain weight; RoPE is full.
 The conv state is the last conv_L_cache - 1 values of B * x.
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
+
+from snapspec import SnapspecError
 
 from ..blocks import Decoder
 from ..weights import Weights
@@ -29,7 +33,8 @@ class Spec(DecoderSpec):
 
 
 def ffn_width(config: dict) -> int:
-    width = config.get("block_ff_dim", config["intermediate_size"])
+    # block_ff_dim, when present, wins over intermediate_size (transformers' Lfm2Config does the same).
+    width = config["block_ff_dim"] if "block_ff_dim" in config else config.get("intermediate_size", 12288)
     if config.get("block_auto_adjust_ff_dim", True):
         width = int(2 * width / 3)
         multiplier = config.get("block_ffn_dim_multiplier", 1.0)
@@ -46,15 +51,25 @@ def spec(config: dict) -> Spec:
         full = config.get("full_attn_idxs")
         full = range(n) if full is None else full
         layer_types = ["full_attention" if i in full else "conv" for i in range(n)]
-    heads = config["num_attention_heads"]
+    heads = _either(config, "num_attention_heads", "num_heads")
+    hidden = _either(config, "hidden_size", "block_dim")
     return Spec(
-        hidden=config["hidden_size"], layers=n, layer_types=tuple(layer_types), intermediate=ffn_width(config),
-        vocab=config["vocab_size"], eps=config.get("norm_eps", 1e-5), heads=heads,
-        kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        hidden=hidden, layers=n, layer_types=tuple(layer_types), intermediate=ffn_width(config),
+        vocab=config["vocab_size"], eps=_either(config, "norm_eps", "block_norm_eps", 1e-5), heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads, head_dim=config.get("head_dim") or hidden // heads,
         rope_theta=float(rope_parameters(config, 1e6)["rope_theta"]),
         max_positions=config.get("max_position_embeddings", 128000), kernel=config.get("conv_L_cache", 3),
         conv_bias=bool(config.get("conv_bias", False)))
+
+
+def _either(config: dict, key: str, published: str, default=None):
+    """A value that published LFM2 configs spell two ways (hidden_size / block_dim, ...): they must agree."""
+    if key in config and published in config and config[key] != config[published]:
+        raise SnapspecError(f"config.json gives {key} = {config[key]} but {published} = {config[published]}")
+    value = config.get(key, config.get(published, default))
+    if value is None:
+        raise SnapspecError(f"config.json has neither {key} nor {published}")
+    return value
 
 
 def ignored(s: Spec) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ M-RoPE reduces to 1-D partial rotate-half RoPE for text; the vision tower and th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -25,23 +26,32 @@ class Spec(GatedDeltaNetSpec):
     tied: bool
 
 
-def spec(config: dict) -> Spec:
-    prefix = "model."
-    if config.get("model_type") == "qwen3_5":
-        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings",
-                                                                              config["text_config"].get(
-                                                                                  "tie_word_embeddings", False))}
-        prefix = "model.language_model."
+def text_config(config: dict) -> tuple[dict, str]:
+    """(the text decoder's config, its tensor name prefix): a vision-language checkpoint keeps the decoder's config
+    under `text_config` and its tensors under `model.language_model.`; tie_word_embeddings may sit at either level."""
+    if "text_config" not in config:
+        return config, "model."
+    text = config["text_config"]
+    return {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}, \
+        "model.language_model."
+
+
+def spec_fields(config: dict, prefix: str) -> dict:
+    """The GatedDeltaNetSpec fields and `tied`, as Qwen3.5 and Qwen3.5 MoE read them."""
     rope = rope_parameters(config, 10000.0)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-    return Spec(
+    return dict(
         hidden=config["hidden_size"], layers=config["num_hidden_layers"], **gdn_fields(config),
-        intermediate=config["intermediate_size"], vocab=config["vocab_size"], eps=config.get("rms_norm_eps", 1e-6),
-        heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"], head_dim=head_dim,
-        rotary_dim=int(head_dim * partial), rope_theta=float(rope["rope_theta"]),
-        max_positions=config.get("max_position_embeddings", 32768),
+        intermediate=config.get("intermediate_size", 0), vocab=config["vocab_size"],
+        eps=config.get("rms_norm_eps", 1e-6), heads=config["num_attention_heads"],
+        kv_heads=config["num_key_value_heads"], head_dim=head_dim, rotary_dim=int(head_dim * partial),
+        rope_theta=float(rope["rope_theta"]), max_positions=config.get("max_position_embeddings", 32768),
         tied=bool(config.get("tie_word_embeddings", False)), prefix=prefix)
+
+
+def spec(config: dict) -> Spec:
+    return Spec(**spec_fields(*text_config(config)))
 
 
 def ignored(s: Spec) -> tuple[str, ...]:
@@ -52,17 +62,12 @@ def has_mtp(ckpt: Checkpoint) -> bool:
     return any(n.startswith(("mtp.", "model.mtp.")) for n in ckpt.names())
 
 
-def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
+def mixer(dec: Decoder, w: Weights, s: Spec, rotary) -> Callable[[str, int], str]:
+    """Layer i's token mixer: gated attention or Gated DeltaNet (shared with Qwen3.5 MoE)."""
     D, hd = s.hidden, s.head_dim
     g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
-    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
 
-    def norm(name: str) -> np.ndarray:
-        return 1.0 + w.get(name, (D,))
-
-    def mixer(x: str, i: int) -> str:
+    def run(x: str, i: int) -> str:
         p = f"layers.{i}."
         if s.layer_types[i] == "full_attention":
             with g.scope("self_attn"):
@@ -87,6 +92,18 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
                 norm_w=w.get(a + "norm.weight", (s.v_dim,)), out_w=w.get(a + "out_proj.weight", (D, vd)),
                 k_heads=s.k_heads, v_heads=s.v_heads, k_dim=s.k_dim, v_dim=s.v_dim, kernel=s.kernel, eps=s.eps)
 
+    return run
+
+
+def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
+    D = s.hidden
+    dec.token_inputs()
+    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
+
+    def norm(name: str) -> np.ndarray:
+        return 1.0 + w.get(name, (D,))
+
     def ffn(x: str, i: int) -> str:
         p = f"layers.{i}.mlp."
         return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
@@ -94,6 +111,6 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
                           w.get(p + "down_proj.weight", (D, s.intermediate)))
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
-                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer, ffn, norm("norm.weight"))
+                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer(dec, w, s, rotary), ffn,
+                       norm("norm.weight"))
     dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))
-

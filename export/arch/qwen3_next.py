@@ -79,16 +79,31 @@ def split_qkvz(qkvz: np.ndarray, ba: np.ndarray, s: Spec) -> tuple[np.ndarray, .
     return qkv, z.reshape(-1, D), b.reshape(-1, D), a.reshape(-1, D)
 
 
-def _experts(w: Weights, p: str, s: Spec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(gate, up, down) stacked over experts: (E, I, D), (E, I, D), (E, D, I)."""
+def _experts(w: Weights, p: str, s):
+    """(gate, up, down) stacked over experts: (E, I, D), (E, I, D), (E, D, I), as Lazy tensors read expert by
+    expert when the graph writes them (512 experts of a real layer are never in memory at once)."""
     E, I, D = s.experts, s.moe_intermediate, s.hidden
     if w.has(p + "experts.gate_up_proj"):
         gate_up = w.get(p + "experts.gate_up_proj", (E, 2 * I, D))
         return gate_up[:, :I], gate_up[:, I:], w.get(p + "experts.down_proj", (E, D, I))
     e = p + "experts.{}."
-    return (np.stack([w.get(e.format(j) + "gate_proj.weight", (I, D)) for j in range(E)]),
-            np.stack([w.get(e.format(j) + "up_proj.weight", (I, D)) for j in range(E)]),
-            np.stack([w.get(e.format(j) + "down_proj.weight", (D, I)) for j in range(E)]))
+    return (w.stack([e.format(j) + "gate_proj.weight" for j in range(E)], (I, D)),
+            w.stack([e.format(j) + "up_proj.weight" for j in range(E)], (I, D)),
+            w.stack([e.format(j) + "down_proj.weight" for j in range(E)], (D, I)))
+
+
+def sparse_moe(dec: Decoder, w: Weights, s, x: str, p: str, normalize: bool) -> str:
+    """The MoE feed-forward at tensor prefix p (`layers.{i}.mlp.`): routed experts plus the sigmoid-gated shared
+    expert (shared with Qwen3.5 MoE). s needs hidden, experts, top_k, moe_intermediate, shared_intermediate."""
+    D = s.hidden
+    gate, up, down = _experts(w, p, s)
+    shared = tuple(w.get(p + f"shared_expert.{n}.weight", shape) for n, shape in (
+        ("gate_proj", (s.shared_intermediate, D)), ("up_proj", (s.shared_intermediate, D)),
+        ("down_proj", (D, s.shared_intermediate))))
+    with dec.fwd.scope("mlp"):
+        return dec.moe(x, router_w=w.get(p + "gate.weight", (s.experts, D)), gate_w=gate, up_w=up, down_w=down,
+                       top_k=s.top_k, normalize=normalize, shared=shared,
+                       shared_gate_w=w.get(p + "shared_expert_gate.weight", (1, D)))
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
@@ -131,12 +146,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
         p = f"layers.{i}.mlp."
         if not s.moe_layers[i]:
             return dec.swiglu(x, *mlp(p, s.intermediate))
-        gate, up, down = _experts(w, p, s)
-        with g.scope("mlp"):
-            return dec.moe(x, router_w=w.get(p + "gate.weight", (s.experts, D)), gate_w=gate, up_w=up, down_w=down,
-                           top_k=s.top_k, normalize=s.norm_topk,
-                           shared=mlp(p + "shared_expert.", s.shared_intermediate),
-                           shared_gate_w=w.get(p + "shared_expert_gate.weight", (1, D)))
+        return sparse_moe(dec, w, s, x, p, s.norm_topk)
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
                        lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer, ffn, norm("norm.weight"))

@@ -46,7 +46,7 @@ Method
 
 Usage::
 
-    python3 tools/train_demo_pair.py --out /tmp/demo --device cuda --steps 1500
+    python3 scripts/train_demo_pair.py --out /tmp/demo --device cuda --steps 1500
 
 Everything is seeded (``--seed``); the result depends on the interpreter's
 stdlib version (the shipped pair was built on Python 3.12).

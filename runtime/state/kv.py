@@ -1,0 +1,36 @@
+"""Attention KV: one buffer per key and value of each attention layer, [batch, kv_heads, context, head_dim], bound
+as both past and present (GroupQueryAttention writes the new rows in place). Rollback is free: the next forward
+passes a shorter attention mask, and writing from the shorter length overwrites the stale rows."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import Store, allocate, dtype, host_array, shape
+
+
+class KVCache(Store):
+    mode = "truncate"
+
+    def __init__(self, specs: list[dict], ctx_len: int, device: str, fill: float = 0.0):
+        self.values = {s["name"]: allocate(shape(s, ctx_len), dtype(s), device, fill) for s in specs}
+        self.outputs = {s["output"]: s["name"] for s in specs}
+
+    def bind(self, binding, key) -> list[str]:
+        for past, value in self.values.items():
+            binding.bind_ortvalue_input(past, value)
+        for present, past in self.outputs.items():
+            binding.bind_ortvalue_output(present, self.values[past])
+        return list(self.outputs)
+
+    def reach(self, pos: int) -> str:
+        return "truncate"
+
+    def rollback(self, pos: int) -> None:
+        pass  # the next forward's attention mask is shorter
+
+    def snapshot(self, n_past: int) -> dict[str, np.ndarray]:
+        return {name: host_array(v)[:, :, :n_past].copy() for name, v in self.values.items()}
+
+    def buffers(self):
+        return list(self.values.values())

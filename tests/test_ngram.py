@@ -1,0 +1,375 @@
+"""Prompt-lookup drafting: the incremental n-gram index against a plain-Python scan of the whole sequence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from snapspec import SnapspecError
+from snapspec.runtime import Generator, contract
+from snapspec.runtime.ngram import LookupChooser, NgramDrafter, NgramIndex
+from tiny import MODEL_TYPES
+
+
+def reference_lookup(seq: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The definition, by brute force: for n from n_max down to n_min, scan backwards for the latest earlier
+    occurrence of the last n tokens; the draft copies what followed it, reading the draft itself past the end."""
+    size = len(seq)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix = seq[size - n:]
+        for end in range(size - 1, n - 1, -1):
+            if seq[end - n:end] == suffix:
+                ext = list(seq)
+                for i in range(k):
+                    ext.append(ext[end + i])
+                return ext[size:]
+    return []
+
+
+def test_examples():
+    idx = NgramIndex(2, 3)
+    idx.extend([5, 6, 7, 8, 1, 5, 6])
+    assert idx.match() == (2, 2) and idx.lookup(3) == [7, 8, 1]
+    idx.extend([7])
+    assert idx.match() == (3, 3) and idx.lookup(2) == [8, 1]  # the longer suffix 5 6 7 wins
+    idx.reset([1, 2, 3, 1, 2])
+    assert idx.lookup(7) == [3, 1, 2, 3, 1, 2, 3]  # a loop continues with its period
+    idx.reset([9, 9])
+    assert idx.lookup(4) == []  # the suffix 9 9 has no earlier occurrence with n >= 2
+    idx.extend([9])
+    assert idx.lookup(4) == [9, 9, 9, 9]
+    idx.reset([4, 1, 2, 4, 3, 2, 4])
+    assert idx.lookup(2) == [3, 2]  # the most recent earlier occurrence of 2 4, not the first
+    assert NgramIndex(1, 1).lookup(3) == [] and idx.lookup(0) == []
+
+
+@pytest.mark.parametrize("n_min,n_max", [(1, 1), (1, 4), (2, 4), (3, 5), (2, 8)])
+def test_index_equals_the_scan_under_extend_and_truncate(n_min, n_max):
+    """Random walks over small alphabets (so n-grams repeat): every lookup equals the brute-force scan, and after
+    any truncation the index equals one built afresh from the shorter sequence."""
+    rng = np.random.default_rng(n_min * 10 + n_max)
+    idx = NgramIndex(n_min, n_max)
+    seq: list[int] = []
+    hits = 0
+    for step in range(600):
+        alphabet = int(rng.choice([2, 3, 6]))
+        if rng.random() < 0.8 or not seq:
+            new = rng.integers(0, alphabet, size=int(rng.integers(1, 6))).tolist()
+            idx.extend(new)
+            seq += new
+        else:
+            keep = max(0, len(seq) - int(rng.integers(0, 12))) if rng.random() < 0.95 else 0
+            idx.truncate(keep)
+            seq = seq[:keep]
+            fresh = NgramIndex(n_min, n_max)
+            fresh.extend(seq)
+            assert idx._ends == fresh._ends, step
+        assert idx.seq == seq
+        k = int(rng.integers(1, 9))
+        got = idx.lookup(k)
+        assert got == reference_lookup(seq, k, n_min, n_max), (step, seq[-10:], k)
+        hits += bool(got)
+    assert hits > 300  # the walk exercised matches, not only misses
+
+
+def test_lookup_cost_does_not_grow_with_the_sequence():
+    """A lookup touches O(n_max) index entries: the same number of dictionary probes at 100 and at 100,000 tokens."""
+    probes = []
+
+    class CountingDict(dict):
+        def get(self, key, default=None):
+            probes.append(key)
+            return super().get(key, default)
+
+    rng = np.random.default_rng(0)
+    for size in (100, 100_000):
+        idx = NgramIndex(2, 6)
+        idx.extend(rng.integers(0, 1000, size=size).tolist())
+        idx._ends = CountingDict(idx._ends)
+        probes.clear()
+        idx.lookup(8)
+        assert len(probes) == 5  # n = 6..2, all misses on random tokens from 1000
+
+
+def test_bad_sizes_are_one_line_errors():
+    for lo, hi in ((0, 3), (3, 2), (2, 17)):
+        with pytest.raises(SnapspecError, match="ngram-min"):
+            NgramIndex(lo, hi)
+
+
+# -- on models: greedy speculative == plain in every rollback mode, counters, adaptive k ----------------------------
+
+# A prompt that repeats itself (a copy task for a model that learned nothing): lookups hit, tiny random models
+# continue it only now and then, so rounds accept some drafts and reject others.
+COPY = ("for i in range(10):\n    if i % 2 == 0:\n        print(i, i * i)\n"
+        "for i in range(10):\n    if i % 2 == 0:\n")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_export):
+    from snapspec.runtime import load
+    loaded = {}
+
+    def get(arch: str):
+        if arch not in loaded:
+            loaded[arch] = load(tiny_export(arch), threads=1)
+        return loaded[arch]
+
+    return get
+
+
+def _lookup_counters(g) -> str:
+    """Beyond contract.counters_add_up: a lookup that hits makes a round, one that misses a plain step, and every
+    target forward after the prefill is one or the other."""
+    s = g.stats
+    problems = [contract.counters_add_up(g)] if contract.counters_add_up(g) else []
+    if s.lookup_hits != s.rounds:
+        problems.append(f"{s.lookup_hits} lookup hits but {s.rounds} rounds")
+    plain_steps = len(g.tokens) - 1 - s.emitted  # the first token comes from the prefill
+    # (checkpoint rounds also re-decode accepted tokens; a round cut short by the token budget emits fewer)
+    if "checkpoint" not in s.rollbacks and s.target_forwards != 1 + s.rounds + plain_steps:
+        problems.append(f"{s.target_forwards} target forwards for {s.rounds} rounds and {plain_steps} plain steps")
+    return ", ".join(problems)
+
+
+def _check_modes(t, prompt, new_tokens: int, n_min: int = 1, n_max: int = 3, rollbacks=("auto", "checkpoint")):
+    """Greedy speculative with n-gram drafts == plain for k = 1..8 in each rollback mode, with poisoned buffers (state
+    read before it was written shows); counters add up. Returns (accepted, drafted, rollback modes used)."""
+    plain = Generator(t, prompt, max_new_tokens=new_tokens, stop_at_eos=False, poison=True).run()
+    accepted = drafted = 0
+    modes = set()
+    for rollback in rollbacks:
+        for k in range(1, 9):
+            g = Generator(t, prompt, drafter=NgramDrafter(t.vocab_size, n_min, n_max), max_new_tokens=new_tokens,
+                          draft_max=k, rollback=rollback, stop_at_eos=False, poison=True)
+            assert g.run() == plain, (rollback, k)
+            assert not _lookup_counters(g), (rollback, k, _lookup_counters(g))
+            accepted, drafted = accepted + g.stats.accepted, drafted + g.stats.drafted
+            modes |= g.modes_used
+    return accepted, drafted, modes
+
+
+@pytest.mark.parametrize("arch", MODEL_TYPES)
+def test_greedy_ngram_equals_plain_every_arch_and_mode(model, arch):
+    """Bounded rollback (replay for hybrids, truncate for attention-only) and forced checkpoints. Tiny random models
+    rarely continue a copy, so most drafts are rejected whole (rollbacks of every depth)."""
+    t = model(arch)
+    accepted, drafted, modes = _check_modes(t, t.encode(COPY), 32)
+    expected = "target:replay" if t.has_recurrent else "target:truncate"
+    assert {expected, "checkpoint"} <= modes and drafted > 0, modes
+
+
+@pytest.fixture(scope="module")
+def looping(tiny_model, tmp_path_factory):
+    """Tiny models with small weights (initializer range 0.05), whose greedy output falls into short loops: n-gram
+    drafts are then accepted in part, as on a trained model."""
+    from snapspec.export import export
+    from snapspec.runtime import load
+    out = {}
+    for arch in ("qwen3_5_text", "qwen3"):
+        folder = tmp_path_factory.mktemp(f"loop-{arch}") / "out"
+        export(tiny_model(arch, initializer_range=0.05), folder, log=lambda *a: None)
+        out[arch] = load(folder, threads=1)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3"])
+def test_partial_acceptance_every_mode(looping, arch):
+    t = looping[arch]
+    accepted, drafted, modes = _check_modes(t, t.encode(COPY), 40)
+    assert 0.2 * drafted < accepted < drafted, (accepted, drafted)
+
+
+def test_window_mode_on_the_scan_stand_in(tmp_path):
+    """The target on a state-window graph (tests/test_window_cpu.py's Scan model, as CUDA would run it): rounds of up
+    to W-1 drafts roll back by picking a state, longer ones take the checkpoint path; output == plain for k = 1..8."""
+    from test_window_cpu import W, _make
+
+    from snapspec.runtime import load
+    from snapspec.runtime import model as model_mod
+    folder = _make(tmp_path)
+    original = model_mod._forward_graph
+    model_mod._forward_graph = lambda m, ep, role, recurrent: "forward_window"
+    try:
+        windowed = load(folder, threads=1)
+    finally:
+        model_mod._forward_graph = original
+    assert windowed.state_window == W
+    accepted, drafted, modes = _check_modes(windowed, [5, 7, 11], 60, rollbacks=("auto",))
+    assert {"target:window", "checkpoint"} <= modes, modes
+    assert 0 < accepted < drafted
+
+
+PAIR_A = Path(__file__).resolve().parents[2] / "shared" / "models" / "pair-a"  # ../shared beside the checkout
+
+
+@pytest.mark.slow
+def test_pair_a_greedy_equals_plain_every_mode(tmp_path_factory):
+    """The trained pair-a target with n-gram drafts on the first copy-heavy prompt (benchmarks/prompts-copy.jsonl)."""
+    if not (PAIR_A / "target" / "config.json").exists():
+        pytest.skip(f"{PAIR_A} (the trained benchmark pair) is not present on this machine")
+    from snapspec.export import export
+    from snapspec.runtime import load
+    out = tmp_path_factory.mktemp("pair-a") / "target"
+    export(PAIR_A / "target", out, log=lambda m: None)
+    t = load(out, threads=2)
+    copy = (Path(__file__).resolve().parents[1] / "benchmarks" / "prompts-copy.jsonl").read_text().splitlines()[0]
+    accepted, drafted, modes = _check_modes(t, t.encode(json.loads(copy)["prompt"]), 40, n_min=2, n_max=4)
+    assert {"target:replay", "checkpoint"} <= modes and 0 < accepted < drafted, (modes, accepted, drafted)
+
+
+# -- sampling: a deterministic draft is a one-hot q, and the rejection rule stays exact ------------------------------
+
+@pytest.mark.parametrize("k,top_k", [(2, 0), (3, 3)])
+def test_sampled_law_with_ngram_drafts(k, top_k):
+    """Synthetic target conditionals over 5 tokens (tests/test_sampling.py); drafts from the n-gram drafter over a
+    prompt in which every token occurs, so every round drafts; top-k 3 makes some drafts impossible for the target.
+    The first two emitted tokens follow the target's joint law."""
+    from test_sampling import V, _logits as _uncached
+
+    memo: dict = {}
+
+    def _logits(seed, prefix):
+        key = (seed, tuple(prefix))
+        if key not in memo:
+            memo[key] = _uncached(seed, prefix)
+        return memo[key]
+
+    from snapspec.runtime import SamplingParams, Stats
+    from snapspec.runtime.sampling import accept, probs
+
+    params = SamplingParams(temperature=1.0, top_k=top_k, seed=0)
+    rng = np.random.default_rng(321)
+    prompt = [0, 1, 2, 3, 4, 2, 0, 3]
+    drafter = NgramDrafter(V, 1, 2)
+    drafter.start(prompt, sampling=params, rng=rng, stats=Stats())
+    n = 20000
+    counts = np.zeros((V, V))
+    for _ in range(n):
+        out: list[int] = []
+        while len(out) < 2:
+            assert drafter.available(prompt + out, k) == k
+            draft = drafter.propose(prompt + out, k)
+            assert all(q[d] == 1.0 and q.sum() == 1.0 for d, q in zip(draft.tokens, draft.q))
+            rows = np.stack([_logits(0, out + draft.tokens[:i]) for i in range(k + 1)])
+            j, nxt = accept(draft.tokens, draft.q, rows, params, rng)
+            drafter.accepted(j)
+            out += draft.tokens[:j] + [nxt]
+        counts[out[0], out[1]] += 1
+    first = probs(_logits(0, []), params)
+    exact = np.array([[first[a] * probs(_logits(0, [a]), params)[b] for b in range(V)] for a in range(V)])
+    sigma = np.sqrt(exact * (1 - exact) / n)  # each cell's standard error; 5 sigma, plus float slack
+    assert np.all(np.abs(counts / n - exact) <= 5 * sigma + 1e-9), np.max(np.abs(counts / n - exact) / sigma)
+    assert np.all(counts[exact == 0] == 0)  # top-k: tokens the target cannot emit never come out
+
+
+def test_sampled_generation_same_in_every_mode(model):
+    """Seeded sampling with n-gram drafts: the same tokens with bounded rollback and with checkpoints (the random
+    stream is consumed identically), different with another seed."""
+    from snapspec.runtime import SamplingParams
+    t = model("qwen3_5_text")
+    prompt = t.encode(COPY)
+    runs = [Generator(t, prompt, drafter=NgramDrafter(t.vocab_size, 1, 3), max_new_tokens=48, draft_max=4,
+                      sampling=SamplingParams(0.9, 50, 0.95, seed=s), rollback=rb, stop_at_eos=False)
+            for s, rb in ((7, "auto"), (7, "checkpoint"), (8, "auto"))]
+    outs = [g.run() for g in runs]
+    assert outs[0] == outs[1] != outs[2]
+    assert all(g.stats.rounds > 0 and not _lookup_counters(g) for g in runs)
+
+
+# -- adaptive k -------------------------------------------------------------------------------------------------------
+
+def test_lookup_chooser():
+    """k = 0 (a plain step) is chosen when no draft length is predicted to beat plain decoding; checks of lookups
+    that were not drafted bring drafting back."""
+    from snapspec.runtime.adaptive import Costs, expected_emitted
+    costs = Costs(C=[1.0, 1.05, 1.09, 1.12, 1.15, 1.2, 1.25, 1.3, 1.36], c=0.001, r=0.05)
+    ch = LookupChooser(8, costs)
+    a = ch.acceptance
+    assert ch.scores()[0] == 1.0
+    assert np.allclose(ch.scores()[1:], [expected_emitted(a, k) / (costs.C[k] + k * 0.001 + 0.05) for k in range(1, 9)])
+
+    def wrong_until_plain(rounds):
+        ks = []
+        for _ in range(rounds):
+            ks.append(ch.choose())
+            ch.update(ks[-1], 0) if ks[-1] else ch.observe(False)  # every draft (and every lookup) wrong
+        return ks
+
+    ks = wrong_until_plain(30)  # a wasted k = 1 round costs C(2) + r - 1 = 0.1 here: stop below acceptance 0.1
+    assert ks[0] == 4 and ks[-1] == 0 and ks.index(0) < 20, ks
+    for _ in range(40):
+        k = ch.choose()
+        ch.update(k, k) if k else ch.observe(True)  # lookups that were not drafted would have been right
+    assert ch.choose() == 8
+    ks = wrong_until_plain(100)  # after a long copy, more evidence is needed; the decay bounds how much
+    assert ks[-1] == 0 and ks.index(0) < 50, ks
+    assert LookupChooser(8, None).choose() == 4  # before the cost model is measured
+
+
+def test_misses_are_plain_steps_and_auto_equals_plain(model):
+    """Lookups of 4..6-grams on a random model's output find nothing: every step is a plain one (no rounds), counted
+    as lookups; adaptive k (its cost model timed on the target alone) gives plain output too."""
+    t = model("lfm2")
+    prompt = t.encode("The quick brown fox")
+    plain = Generator(t, prompt, max_new_tokens=30, stop_at_eos=False).run()
+    g = Generator(t, prompt, drafter=NgramDrafter(t.vocab_size, 4, 6), max_new_tokens=30, draft_max=8,
+                  stop_at_eos=False)
+    assert g.run() == plain
+    assert g.stats.rounds == 0 and g.stats.lookups == 28 and g.stats.lookup_hits == 0  # the last step: no room
+    assert g.stats.target_forwards == 30 and not g.modes_used
+    auto = Generator(t, t.encode(COPY), drafter="ngram", max_new_tokens=30, draft_max="auto", stop_at_eos=False)
+    assert auto.run() == Generator(t, t.encode(COPY), max_new_tokens=30, stop_at_eos=False).run()
+    assert auto.costs is not None and auto.costs.c < 0.05 and len(auto.costs.C) == 9
+    assert not _lookup_counters(auto)
+
+
+# -- the command line ------------------------------------------------------------------------------------------------
+
+def test_cli_generate_bench_conformance(tiny_export, tmp_path, monkeypatch, capsys):
+    from snapspec.tools.cli import main
+    target, folder = str(tiny_export("qwen3_5_text")), tiny_export("lfm2")
+    plain = ["generate", "--target", target, "--prompt", COPY, "--max-new-tokens", "24", "--json", "--threads", "1"]
+    assert main(plain) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(plain + ["--drafter", "ngram", "--ngram-min", "1", "--ngram-max", "3", "--draft-max", "auto"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["drafter"] == "ngram 1-3" and "drafter" not in got["providers"]
+    assert got["stats"]["lookups"] > 0
+
+    # A folder named ngram is a drafter model when written as a path.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ngram").symlink_to(folder, target_is_directory=True)
+    assert main(plain + ["--drafter", "./ngram"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["drafter"] == "ngram" and "drafter" in got["providers"]
+
+    for bad, message in ((["--ngram-min", "2"], "apply to --drafter ngram only"),
+                         (["--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "ngram-min <= ngram-max"),
+                         (["--drafter", "ngram", "--ngram-max", "0"], "1 <= ngram-min")):
+        assert main(plain + bad) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": COPY}) + "\n")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--target", target, "--drafter", str(folder), "--drafter", "ngram", "--ngram-min", "1",
+                 "--prompts", str(prompts), "--k", "2", "--reps", "1", "--max-new-tokens", "12", "--threads", "1",
+                 "--rollback", "auto", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["drafters"] == ["out", "ngram 1-4"] and set(r["cost_models"]) == set(r["drafters"])
+    assert [c["label"] for c in r["configs"]] == ["out k=2", "out k=auto", "ngram 1-4 k=2", "ngram 1-4 k=auto"]
+    lookup = [c for c in r["configs"] if c["drafter"] == "ngram 1-4"]
+    assert all(0 <= c["lookup_hit_rate"] <= 1 for c in lookup) and r["cost_models"]["ngram 1-4"]["c"] < 0.05
+    assert "drafter" in r["provenance"]["manifests"]
+    capsys.readouterr()
+
+    assert main(["conformance", "--target", target, "--drafter", "ngram", "--threads", "1", "--new-tokens", "16",
+                 "--json", str(tmp_path / "c.json")]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["passed"] and any(c["where"] == "pair" for c in report["checks"])
+    assert "drafter" not in report["providers"]

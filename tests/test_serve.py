@@ -1,0 +1,194 @@
+"""`snapspec serve` as a real process on 127.0.0.1, called with the official `openai` client (the oracle of the wire
+format) and, for what a client library refuses to send, with raw HTTP. Speculative replies equal plain greedy
+decoding in-process. Loopback only; every loop bounded in count and time."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from snapspec.runtime import final_text, generate, load
+from snapspec.runtime.chat import chat_format
+
+SNAPSPEC = str(Path(sys.executable).parent / "snapspec")
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def server(chat_export, tmp_path_factory):
+    t_dir, d_dir = chat_export("qwen3_5_text", "lfm2"), chat_export("lfm2", "lfm2")  # two hybrids
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([SNAPSPEC, "serve", "--target", str(t_dir), "--drafter", str(d_dir), "--port", "0",
+                                 "--threads", "1", "--draft-max", "3", "--max-new-tokens", str(MAX_TOKENS)],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        port = None
+        for _ in range(300):  # up to 60 s to load and listen
+            found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text())
+            if found:
+                port = int(found.group(1))
+                break
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        assert port, log.read_text()
+        yield {"port": port, "log": log, "target": t_dir, "model": t_dir.name, "proc": proc}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # uvicorn shuts down gracefully on SIGTERM, then exits by the signal
+    assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in log.read_text(), log.read_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def target(server):
+    return load(server["target"], threads=1)
+
+
+def _request(server, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def _health(server) -> dict:
+    status, body = _request(server, "GET", "/health")
+    assert status == 200
+    return body
+
+
+def test_chat_and_completion_equal_plain_greedy(server, client, target):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox?"}]
+    want = generate(target, messages, max_new_tokens=MAX_TOKENS)  # plain greedy, no drafter: the oracle
+    r = client.chat.completions.create(model=server["model"], messages=messages, temperature=0)
+    assert r.choices[0].message.content == final_text(want) and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == {"length": "length", "eos": "stop"}[want.stop_reason]
+    assert r.usage.prompt_tokens == len(want.prompt) and r.usage.completion_tokens == len(want.tokens)
+    spec = r.model_extra["snapspec"]
+    assert spec["rounds"] > 0 and 0 <= spec["acceptance"] <= 1 and sum(spec["rollbacks"].values()) > 0
+
+    chunks = list(client.chat.completions.create(model=server["model"], messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == final_text(want) and chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == len(want.tokens) and not chunks[-1].choices
+    # the same conversation again: the server's contexts already hold the prompt
+    assert chunks[-1].model_extra["snapspec"]["prompt_reused"] > 0
+
+    prompt = "for i in range(10):"
+    ids = chat_format(target).encode_text(prompt)
+    want = generate(target, ids, max_new_tokens=8)
+    r = client.completions.create(model=server["model"], prompt=prompt, max_tokens=8)
+    assert r.choices[0].text == final_text(want) and r.usage.prompt_tokens == len(ids)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=server["model"], prompt=prompt,
+                                                                            max_tokens=8, stream=True))
+    assert streamed == final_text(want)
+    r = client.completions.create(model=server["model"], prompt=ids, max_tokens=8)  # token ids
+    assert r.choices[0].text == final_text(want)
+    assert [m.id for m in client.models.list().data] == [server["model"]]
+
+
+def test_a_conversation_prefills_only_its_new_tokens(server, client, target):
+    messages = [{"role": "user", "content": "import numpy as np"}]
+    first = client.chat.completions.create(model=server["model"], messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "x = np.zeros(4)"}]
+    second = client.chat.completions.create(model=server["model"], messages=messages)
+    assert second.choices[0].message.content == final_text(generate(target, messages, max_new_tokens=MAX_TOKENS))
+    reused = second.model_extra["snapspec"]["prompt_reused"]
+    assert reused >= first.usage.prompt_tokens + first.usage.completion_tokens - 1
+
+
+def test_eight_concurrent_clients(server, client, target):
+    questions = [f"for i in range({n}):" for n in range(8)]
+    want = {q: final_text(generate(target, [{"role": "user", "content": q}], max_new_tokens=MAX_TOKENS))
+            for q in questions}
+
+    def ask(q):
+        stream = q.endswith(("1):", "4):", "7):"))  # some of them streamed
+        r = client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": q}],
+                                           stream=stream)
+        return "".join(c.choices[0].delta.content or "" for c in r) if stream else r.choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        got = dict(zip(questions, pool.map(ask, questions)))
+    assert got == want
+    queue = _health(server)["models"][0]["queue"]
+    assert queue["waiting"] == 0 and queue["running"] == 0
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server, client):
+    model = server["model"]
+    user = [{"role": "user", "content": "hi"}]
+    cases = [  # (body, status, words the message must contain)
+        (b'{"model": "x", "messages": [', 400, "malformed JSON"),
+        (json.dumps({"model": "no-such-model", "messages": user}).encode(), 404, "not found"),
+        (json.dumps({"model": model, "messages": user, "max_tokens": 0}).encode(), 400, "max_tokens must be >= 1"),
+        (json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * 700}]}).encode(), 400,
+         "context"),
+        (json.dumps({"model": model, "messages": user, "tools": [], "logit_bias": {"1": 5}}).encode(), 400,
+         "unsupported parameter(s): tools"),
+        (json.dumps({"model": model, "messages": user, "n": 2}).encode(), 400, "unsupported value for n"),
+        (json.dumps({"model": model, "messages": "hi"}).encode(), 400, "messages must be"),
+        (json.dumps(["not", "an", "object"]).encode(), 400, "JSON object"),
+    ]
+    for body, status, words in cases:
+        got, answer = _request(server, "POST", "/v1/chat/completions", body)
+        assert got == status and words in answer["error"]["message"], (body[:80], got, answer)
+    got, answer = _request(server, "POST", "/v1/completions", json.dumps({"model": model, "prompt": ["a", "b"]})
+                           .encode())
+    assert got == 400 and "batched prompts" in answer["error"]["message"]
+    got, answer = _request(server, "GET", "/v1/nothing-here")
+    assert got == 404 and "error" in answer
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=model, messages=user, temperature=3.5)
+    assert client.chat.completions.create(model=model, messages=user).choices[0].message.content is not None
+    assert _health(server)["status"] == "ok"
+
+
+def test_a_client_that_disconnects_frees_the_queue(server, client):
+    body = json.dumps({"model": server["model"], "messages": [{"role": "user", "content": "The quick brown fox?"}],
+                       "max_tokens": 480, "ignore_eos": True, "stream": True}).encode()
+    before = _health(server)["models"][0]["queue"]["cancelled"]
+    conn = http.client.HTTPConnection("127.0.0.1", server["port"], timeout=30)
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # the first event: generation has started
+    conn.close()  # leave mid-stream
+    for _ in range(100):  # within 10 s the worker notices and moves on
+        queue = _health(server)["models"][0]["queue"]
+        if queue["cancelled"] > before and not queue["running"]:
+            break
+        time.sleep(0.1)
+    assert queue["cancelled"] == before + 1 and queue["running"] == 0
+    line = next(x for x in server["log"].read_text().splitlines() if "client disconnected" in x)
+    assert int(re.search(r"(\d+) tokens, stop cancelled", line).group(1)) < 480  # it stopped early
+    r = client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+    health = _health(server)
+    assert "one request at a time per model" in health["scheduling"]

@@ -1,0 +1,228 @@
+"""The OpenAI wire format for `snapspec serve`: request bodies checked into a Job's settings, and response objects.
+
+Every parameter the server does not implement is refused by name (400), rather than silently ignored; parameters
+whose value asks for nothing (n = 1, a zero penalty, logprobs false, response_format text) are accepted. Extensions,
+as llama-server and vLLM spell them: top_k, ignore_eos, chat_template_kwargs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+           "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "ignore_eos"}
+CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "chat_template_kwargs"}
+COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+# (parameter, values that ask for nothing): accepted, anything else refused by name
+_NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
+            "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,)}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Settings:
+    """What one request asks for, checked."""
+
+    kind: str  # "chat" | "completion"
+    messages: list | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    template_kwargs: dict = field(default_factory=dict)
+
+
+def parse(body, kind: str, model_ids: list[str]) -> Settings:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    allowed = CHAT_KEYS if kind == "chat" else COMPLETION_KEYS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unsupported parameter(s): {', '.join(unknown)}", unknown[0], "unsupported_parameter")
+    for name, neutral in _NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
+            raise ApiError(400, f"unsupported value for {name}: {value!r} (this server implements {name} = "
+                                f"{neutral[0]!r} only)", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "unsupported response_format: only {\"type\": \"text\"}", "response_format",
+                       "unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, "model is required: a string naming the model (GET /v1/models lists them)", "model")
+    if model not in model_ids:
+        raise ApiError(404, f"model {model!r} not found; this server has {', '.join(model_ids)}", "model",
+                       "model_not_found")
+    s = Settings(kind)
+    if kind == "chat":
+        s.messages = _messages(body.get("messages"))
+        s.template_kwargs = _object(body, "chat_template_kwargs")
+    else:
+        s.prompt = _prompt(body.get("prompt"))
+    s.max_tokens = _number(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None
+                           else "max_tokens", int, 1, None)
+    s.temperature = _number(body, "temperature", float, 0.0, 2.0)
+    s.top_p = _number(body, "top_p", float, 0.0, 1.0)
+    if s.top_p == 0.0:
+        raise ApiError(400, "top_p must be in (0, 1]", "top_p")
+    s.top_k = _number(body, "top_k", int, 0, None)
+    s.seed = _number(body, "seed", int, 0, None)
+    s.stop = _stop(body.get("stop"))
+    s.stream = _bool(body, "stream")
+    s.ignore_eos = _bool(body, "ignore_eos")
+    opts = _object(body, "stream_options")
+    if set(opts) - {"include_usage"}:
+        raise ApiError(400, f"unsupported stream_options: {', '.join(sorted(set(opts) - {'include_usage'}))}",
+                       "stream_options", "unsupported_parameter")
+    s.include_usage = bool(opts.get("include_usage", False))
+    return s
+
+
+def _messages(value) -> list:
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            kinds = {p.get("type") if isinstance(p, dict) else None for p in content}
+            if kinds - {"text"}:
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported, got "
+                                    f"{', '.join(sorted(map(str, kinds - {'text'})))}", "messages")
+            content = "".join(p.get("text", "") for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({**m, "content": content})
+    return out
+
+
+def _prompt(value):
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value):
+        return value
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        raise ApiError(400, "batched prompts are not supported: send one prompt per request", "prompt",
+                       "unsupported_parameter")
+    raise ApiError(400, "prompt must be a string or a non-empty list of token ids", "prompt")
+
+
+def _number(body, name, kind, lo, hi):
+    value = body.get(name)
+    if value is None:
+        return None
+    ok = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if not ok or isinstance(value, bool) or (kind is float and not math.isfinite(value)):
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}", name)
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ApiError(400, f"{name} must be {bound}, got {value}", name)
+    return kind(value)
+
+
+def _stop(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or len(value) > 4 or not all(isinstance(v, str) for v in value):
+        raise ApiError(400, "stop must be a string or a list of at most 4 strings", "stop")
+    return [v for v in value if v]
+
+
+def _bool(body, name) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false", name)
+    return bool(value)
+
+
+def _object(body, name) -> dict:
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise ApiError(400, f"{name} must be an object", name)
+    return value or {}
+
+
+# -- responses ---------------------------------------------------------------------------------------------------
+
+FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length"}
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def snapspec_field(gen) -> dict:
+    """The speculation counters of one generation (an extension beside `usage`)."""
+    s = gen.stats
+    return {"acceptance": s.acceptance, "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
+            "rollbacks": dict(s.rollbacks), "prompt_prefilled": s.prompt_prefilled, "prompt_reused": s.prompt_reused,
+            "decode_tokens_per_s": s.decode_tokens_per_s,
+            "stop_reason": gen.stop_reason}
+
+
+def completion(job, text: str) -> dict:
+    gen = job.gen
+    finish = FINISH.get(gen.stop_reason, "stop")
+    if job.settings.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": job.id, "object": "chat.completion" if job.settings.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model, "choices": [choice],
+            "usage": usage(len(job.ids), len(gen.tokens)), "snapspec": snapspec_field(gen)}
+
+
+def chunk(job, text: str | None = None, *, first: bool = False, finish: str | None = None) -> dict:
+    chat = job.settings.kind == "chat"
+    if chat:
+        delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    out = {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": job.created,
+           "model": job.model, "choices": [choice]}
+    if finish is not None:
+        out["snapspec"] = snapspec_field(job.gen)
+    return out
+
+
+def usage_chunk(job) -> dict:
+    chat = job.settings.kind == "chat"
+    return {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": job.created,
+            "model": job.model, "choices": [], "usage": usage(len(job.ids), len(job.gen.tokens)),
+            "snapspec": snapspec_field(job.gen)}
+
+
+def now() -> int:
+    return int(time.time())
