@@ -85,38 +85,42 @@ def test_browser_webgpu(browser_ready, tiny_export, target, drafter):
 
 
 def test_browser_int4_and_screenshot(browser_ready, tiny_export, tmp_path):
-    """int4 exports (MatMulNBits) pass in the page: on wasm as exported by default (float16 embedding table), with
-    a screenshot mid-generation; on WebGPU with --embedding-dtype fp32 (no float16 tensor, which SwiftShader cannot
-    run), while the default int4 export is refused there in one line naming the option."""
+    """int4 exports (MatMulNBits) pass in the page with a float embedding table: on wasm with --embedding-dtype fp16,
+    with a screenshot mid-generation; on WebGPU with fp32 (no float16 tensor, which SwiftShader cannot run; a
+    float16 table is refused there in one line). The default int4 embedding (GatherBlockQuantized, which
+    onnxruntime-web 1.30 lacks) is refused in one line naming the option."""
     shot = tmp_path / "page.png"
     int4 = dict(quant="int4", block_size=32)
-    report = browser_check.check(tiny_export("qwen3_5_text", **int4), tiny_export("lfm2", **int4), "wasm",
-                                 screenshot=shot, new_tokens=16)
+    report = browser_check.check(tiny_export("qwen3_5_text", embedding_dtype="fp16", **int4),
+                                 tiny_export("lfm2", embedding_dtype="fp16", **int4), "wasm", screenshot=shot,
+                                 new_tokens=16)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     report = browser_check.check(tiny_export("qwen3", embedding_dtype="fp32", **int4), None, "webgpu", new_tokens=8)
     assert report["passed"], [c for c in report["checks"] if not c["passed"]]
     try:
-        browser_check.check(tiny_export("qwen3", **int4), None, "webgpu", new_tokens=8)
+        browser_check.check(tiny_export("qwen3", embedding_dtype="fp16", **int4), None, "webgpu", new_tokens=8)
     except SnapspecError as exc:  # an adapter without shader-f16 (SwiftShader)
         assert "shader-f16" in str(exc) and "--embedding-dtype fp32" in str(exc)
+    with pytest.raises(SnapspecError, match="GatherBlockQuantized.*--embedding-dtype fp32"):
+        browser_check.check(tiny_export("qwen3", **int4), None, "wasm", new_tokens=8)
 
 
 def test_int4_embedding_fp32_export(tiny_export):
-    """--embedding-dtype fp32 leaves no float16 tensor in an int4 graph and changes no logit: the bf16 checkpoint's
-    embedding values are exact in float16, so both tables hold the same numbers."""
+    """--embedding-dtype fp32 leaves no float16 tensor in an int4 graph and gives the logits of fp16: the bf16
+    checkpoint's embedding values are exact in float16, so both tables hold the same numbers."""
     import numpy as np
     import onnx
 
     from snapspec.runtime import Context, load
 
     int4 = dict(quant="int4", block_size=32)
-    a, b = tiny_export("qwen3", **int4), tiny_export("qwen3", embedding_dtype="fp32", **int4)
+    a, b = tiny_export("qwen3", embedding_dtype="fp16", **int4), tiny_export("qwen3", embedding_dtype="fp32", **int4)
     graph = onnx.load(b / "model.onnx", load_external_data=False).graph
     assert not [t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
     assert json.loads((b / "snapspec.json").read_text())["export"]["embedding_dtype"] == "float32"
     ids = list(range(5, 40))
-    np.testing.assert_array_equal(Context(load(a)).forward(ids), Context(load(b)).forward(ids))
+    np.testing.assert_array_equal(Context(load(a)).forward(ids).logits, Context(load(b)).forward(ids).logits)
 
 
 # -- the server and the command line, without a browser ------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
-from .conformance import PROMPTS, Check, rel_err
+from snapspec.runtime.contract import PROMPTS, Check, rel_err
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/lib/chromium/chromium", "/usr/bin/chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--enable-unsafe-webgpu", "--disable-background-networking",
@@ -83,7 +83,7 @@ def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: boo
     from snapspec.runtime.sampling import SamplingParams, probs
 
     ids = [target.encode(p) for p in prompts]
-    logits = {role: [Context(m, len(x) + 1).forward(x) for x in ids]
+    logits = {role: [Context(m, len(x) + 1).forward(x).logits for x in ids]
               for role, m in (("target", target), ("drafter", drafter)) if m is not None}
     plain = [Generator(target, x, max_new_tokens=new_tokens, stop_at_eos=False).run() for x in ids]
     # Every k on every prompt; with spread (SwiftShader, where a forward costs ~0.1 s), each k on one prompt.
