@@ -100,7 +100,7 @@ def model_entry(folder: Path, role: str) -> dict:
         raise SnapspecError(f"{folder} has no forward graph")
     if m.data.get("export", {}).get("embedding_dtype") == "int4":
         raise SnapspecError(f"{folder} stores its embedding in int4 (GatherBlockQuantized), which onnxruntime-web "
-                            "1.30 cannot run: re-export it with --embedding-dtype fp16 (wasm) or fp32 (WebGPU)")
+                            "1.30 cannot run: re-export it with --embedding-dtype fp32 (any backend) or fp16 (wasm)")
     external = {entry["file"]: sorted(manifest.external_data_locations(folder / entry["file"]))
                 for role_, entry in m.data["graphs"].items() if role_ in ("forward", "replay")}
     return {"name": folder.resolve().name or role, "url": f"models/{role}/", "external": external,

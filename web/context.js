@@ -6,7 +6,7 @@
 // written, and the modes become reference juggling:
 //   kv         truncate: each forward's present_* becomes the next forward's past_* (GroupQueryAttention copies the
 //              valid prefix of past into present inside the kernel, on the device); rollback is a shorter
-//              attention_mask, and the rows past it are never read. The first forward gets zero-length past.
+//              attention_mask, and the rows past it are never read. The first forward gets zeros of maxLen rows.
 //   recurrent  S slots of (conv, recurrent) state, each a set of tensors with the position it belongs to.
 //              ring (drafter): S = W + 1; a forward puts its state in the slot after `cur`, so the states of the
 //                  last W positions survive, and rollback picks a slot (no copy, no compute).
@@ -32,6 +32,10 @@ export async function loadModel(entry, ep, { onProgress = () => {} } = {}) {
   const manifest = await fetchJson(entry.url + 'snapspec.json');
   if (manifest.format !== 'snapspec-export/1') {
     throw new Error(`${entry.name}: manifest format ${manifest.format}, this page reads snapspec-export/1`);
+  }
+  if (manifest.export.embedding_dtype === 'int4') { // onnxruntime-web 1.30 has no GatherBlockQuantized kernel
+    throw new Error(`${entry.name}: an int4 embedding (GatherBlockQuantized) does not run in onnxruntime-web 1.30; `
+      + 're-export with --embedding-dtype fp32 (or fp16 for WebGPU adapters with shader-f16)');
   }
   const state = manifest.state;
   const outputsOnDevice = ep === 'webgpu'
@@ -170,7 +174,9 @@ export class Context {
     this._last = null;
     this._checkpoint = null;
     this._checkpointState = null;
-    this.kv = Object.fromEntries(this.kvSpecs.map((s) => [s.name, zeros(s, 0)]));
+    // KV starts as zeros of maxLen rows, as in Python: GroupQueryAttention then always has a free row past the
+    // sequence for the export's spare row (graphs.forward.spare_kv_row), and each present keeps that capacity.
+    this.kv = Object.fromEntries(this.kvSpecs.map((s) => [s.name, zeros(s, this.maxLen)]));
     this.slots = new Array(this.nSlots).fill(null);
     this.slotPos = new Array(this.nSlots).fill(null);
     if (this.nSlots) {
@@ -228,6 +234,9 @@ export class Context {
     this.nPast += t;
     this._dispose(replaced);
     const logits = out.logits;
+    if (logits.dims.length !== 3 || logits.dims[1] !== t) {
+      throw new Error(`${model.name}: logits of shape [${logits.dims}] for ${t} tokens; the page needs a row per token`);
+    }
     const vocab = logits.dims[logits.dims.length - 1];
     const data = hostFloats(logits);
     const rows = [];
