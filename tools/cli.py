@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a Hugging Face checkpoint folder to an ONNX folder with a manifest")
     p.add_argument("hf_dir", type=Path)
     p.add_argument("-o", "--out", type=Path, required=True, dest="out_dir")
-    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
+                   help="fp32 (default: CPU, exact greedy speculation) or fp16 (what CUDA needs; on CPU it costs "
+                        "what fp32 does); see README")
     p.add_argument("--quant", choices=["none", "int4"], default="none")
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32)
     p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
