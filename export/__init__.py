@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 import snapspec
@@ -32,6 +33,7 @@ from .weights import Weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json")
 DEFAULT_WINDOW = 8
+FP32_NOTE_BYTES = 4e9  # a float32 export above this size says what the alternatives cost
 
 
 def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int = 32,
@@ -39,7 +41,10 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            embedding_dtype: str | None = None, int4_accuracy: int | None = None, log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
-    dtype: float32 | float16 (activations and weights; recurrent state stays float32).
+    dtype: float32 | float16 (activations and weights; recurrent state stays float32). float32 is the default
+           because the CPU is the default provider: onnxruntime's CPU kernels upcast float16 weights at load (same
+           memory, same speed as float32, measured) and float16 activations flip near-ties, which breaks greedy
+           speculative == greedy plain on Qwen3.5. CUDA needs float16. BENCHMARKS.md, "Export at real size".
     quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table is stored in
            float16, the output projection is quantized even when tied).
     embedding_dtype: float16 | float32, how the token embedding table is stored (default: under int4, int4 read
@@ -51,10 +56,13 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            whose results must equal Python onnxruntime's.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
+    log: called with each line of the summary (None: silent, and no progress bar).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
     state_window (CUDA only), sharing the weights file; the runtime picks it for a target on CUDA (export/window.py).
     """
     start = time.perf_counter()
+    show_progress = log is not None
+    log = log or (lambda *_: None)
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     dtype = {"fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
     if dtype not in ("float32", "float16"):
@@ -92,6 +100,10 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     level = int4_accuracy or int4_accuracy_level(dtype)
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
+    params = sum(int(np.prod(ckpt.shape(n), dtype=np.int64)) for n in weights.to_read())
+    if dtype == "float32" and quant == "none" and params * 4 > FP32_NOTE_BYTES:
+        log(f"note: float32 weights take about {params * 4 / 1e9:.0f} GB on disk and in memory (twice a bf16 "
+            "checkpoint); --quant int4 is smaller and faster on CPU, CUDA needs --dtype fp16")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
@@ -99,7 +111,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     try:
         dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0], accuracy_level=level),
                       Graph("replay", dtype, "none", data=data[1]), embedding_dtype=embedding_dtype)
-        with _progress(weights, data, log):
+        with _progress(weights, data, show_progress):
             module.build(dec, weights, spec, ctx)
         dec.finish()
         weights.check_covered()
@@ -213,10 +225,10 @@ def _alive(pid: int | None) -> bool:
 
 
 @contextmanager
-def _progress(weights: Weights, data: list[DataFile], log):
+def _progress(weights: Weights, data: list[DataFile], wanted: bool):
     """A progress bar on a terminal (nothing otherwise): tensors read, bytes read and written, time left. Reads are
     counted once per tensor, up to its size on disk (a tied table read twice does not run the bar past its end)."""
-    if log is None or not sys.stderr.isatty():
+    if not wanted or not sys.stderr.isatty():
         yield
         return
     from rich.console import Console

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir", type=Path, help="checkpoint folder: config.json, *.safetensors, tokenizer.json")
     p.add_argument("-o", "--out", type=Path, required=True, dest="out_dir", help="folder to write (made atomically)")
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32",
-                   help="weights and activations (default fp32; CUDA needs fp16)")
+                   help="fp32 (default: CPU, exact greedy speculation) or fp16 (what CUDA needs; on CPU it costs "
+                        "what fp32 does); see README")
     p.add_argument("--quant", choices=["none", "int4"], default="none", help="int4: MatMulNBits weights (default none)")
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32, help="int4 block size (default 32)")
     p.add_argument("--int4-accuracy", type=int, choices=[1, 4], default=None,
