@@ -321,9 +321,9 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("browser-check", help="check the contract inside headless Chromium on onnxruntime-web "
                                              "(wasm, or WebGPU: SwiftShader on a machine without a GPU)")
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path)
-    p.add_argument("--ep", choices=["wasm", "webgpu"], default="wasm")
+    p.add_argument("--target", type=Path, required=True, help="exported folder to check in the browser")
+    p.add_argument("--drafter", type=Path, help="exported drafter folder: also check speculation in the page")
+    p.add_argument("--ep", choices=["wasm", "webgpu"], default="wasm", help="onnxruntime-web backend (default wasm)")
     p.add_argument("--screenshot", type=Path, help="also save a PNG of the page mid-generation here")
     p.add_argument("--new-tokens", type=int, default=24, help="tokens per generation in the checks (default 24)")
     p.add_argument("--speed", type=int, default=0, metavar="N",

@@ -213,9 +213,9 @@ class PageServer:
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("web", help="serve a browser page that runs the exported folders in onnxruntime-web "
                                    "(WebGPU, or wasm without an adapter), with speculative decoding")
-    p.add_argument("--target", type=Path)
-    p.add_argument("--drafter", type=Path)
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--target", type=Path, help="exported folder the page loads as the target")
+    p.add_argument("--drafter", type=Path, help="exported drafter folder (same vocabulary): speculative decoding")
+    p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--web-dir", type=Path, default=None,
                    help="where onnxruntime-web is installed (default: $SNAPSPEC_WEB_DIR or ~/.cache/snapspec/web)")
