@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
+import sys
 import os
 import shutil
 import time
@@ -334,14 +334,16 @@ def add_parser(sub, runtime_flags):
                         "SwiftShader; int4 matmuls are slow on wasm too)")
     p.add_argument("--web-dir", type=Path, default=None, help="where `snapspec web --install` put onnxruntime-web")
     p.add_argument("--chromium", default=None, help="the Chromium executable (default: /usr/bin/chromium)")
-    p.add_argument("--json", type=Path, dest="json_out", help="write the full report here")
+    from .options import add_json_flag
+    add_json_flag(p, "the full report")
 
 
 def run(args) -> int:
     report = check(args.target, args.drafter, args.ep, screenshot=args.screenshot, web_dir=args.web_dir,
                    chromium=args.chromium, new_tokens=args.new_tokens, speed=args.speed, speed_k=args.speed_k,
                    quick=args.quick)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
-    print(report["summary"])
+    if args.json:
+        from .options import write_json
+        write_json(args, report)
+    print(report["summary"], file=sys.stderr if args.json == "-" else sys.stdout)
     return 0 if report["passed"] else 1
