@@ -449,6 +449,7 @@ def plot(result: dict, path: Path) -> None:
         tag = f"{name}: " if len(names) > 1 else ""
         mine = [r for r in result["configs"] if name is None or r.get("drafter") == name]
         fixed = [r for r in mine if r["k"] != "auto"]
+        color = None
         for mode, style in (("auto", "o-"), ("checkpoint", "s--")):
             rows = [r for r in fixed if r["rollback"] == mode]
             if not rows:
@@ -461,13 +462,14 @@ def plot(result: dict, path: Path) -> None:
                                 label=tag + ("measured, bounded rollback" if mode == "auto"
                                              else "measured, checkpoint path"))
             if mode == "auto":
-                ax1.plot(ks, [r["predicted_speedup"] for r in rows], ":", color=line[0].get_color(),
+                color = line[0].get_color()
+                ax1.plot(ks, [r["predicted_speedup"] for r in rows], ":", color=color,
                          label=tag + "predicted (cost model)")
                 ax2.plot(ks, [r["acceptance"] for r in rows], "o-", label=tag + "acceptance")
                 ax2.plot(ks, [r["mean_emitted_per_round"] for r in rows], "s-", label=tag + "emitted per round")
         auto = next((r for r in mine if r["k"] == "auto"), None)
         if auto:
-            ax1.axhline(auto["speedup"]["median"], alpha=0.5, ls="--", label=tag + "adaptive k")
+            ax1.axhline(auto["speedup"]["median"], color=color, alpha=0.5, ls="--", label=tag + "adaptive k")
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set_xlabel("draft length k")
     ax1.set_ylabel("speedup over plain decoding")
