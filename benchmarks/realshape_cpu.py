@@ -1,0 +1,318 @@
+"""Real shapes on a small CPU: snapspec against llama.cpp on the same random-weight checkpoints, in one run.
+
+    python benchmarks/realshape_cpu.py --ckpts /work/ckpts --work /tmp/rs --models qwen35-0.8b \
+        --spec qwen35-4b:qwen35-0.8b --pair-a-bench benchmarks/pair-a-cpu-int4-level4.json \
+        --json benchmarks/realshape-cpu.json
+
+For each model and variant (fp32 against llama.cpp's F32 GGUF, int4 against Q4_0): prefill tokens/s at each
+`--prompts` length, decode tokens/s (`--decode` greedy one-token steps from an empty context, as llama-bench's tg),
+peak resident memory, and folder / file size. Every measurement runs in a fresh process (so its peak RSS, VmHWM or
+/usr/bin/time's maximum, is its own), and the two systems alternate, snapspec then llama.cpp, `--reps` times: each
+ratio is quoted with its spread over those pairs. snapspec's side is this script's `child` command; llama.cpp's is
+llama-bench (`-r 1`, after its own warm-up run). Exports and GGUF files are made under --work when missing
+(snapspec export; convert.sh + llama-quantize from --llama).
+
+`--spec TARGET:DRAFTER` measures the cost model of int4 speculation on those shapes (runtime.adaptive.measure_costs,
+in round order, on a context holding 64 tokens): C(n), the drafter step c and the rollback r, and the speedup
+predicted at the mean tokens per round that pair-a measured (`--pair-a-bench`, a `snapspec bench --json` of the
+int4 pair): random weights make the models' own acceptance meaningless. `--profile` adds, per snapspec variant,
+onnxruntime's profile of a decode step and of a 512-token prefill chunk: kernel time per op type.
+
+Not part of the package: it drives the CLI, the runtime and external binaries, and needs the checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+# ../shared beside the checkout (or beside the folder of worktrees that holds it)
+SHARED = next((p / "shared" for p in (REPO.parent, REPO.parent.parent) if (p / "shared").is_dir()), REPO / "shared")
+
+
+# -- the child: one snapspec measurement in a fresh process ---------------------------------------------------------
+def _vm(field: str) -> float:
+    """A /proc/self/status memory field in MiB (VmHWM: peak resident; VmRSS: now)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def child(a) -> dict:
+    from snapspec.runtime import Context, default_mode, load
+
+    t0 = time.perf_counter()
+    model = load(a.folder, threads=a.threads)
+    out = {"load_s": time.perf_counter() - t0, "rss_after_load_mib": _vm("VmRSS")}
+    vocab = min(model.vocab_size, model.tokenizer.get_vocab_size())
+    ids = np.random.default_rng(0).integers(0, vocab, max(a.tokens, 64) + 16).tolist()
+    if a.mode == "prefill":
+        ctx = Context(model, a.tokens + 8)
+        ctx.prefill(ids[:64], logits=False)  # warm-up: shapes, allocator
+        ctx.reset()
+        t = time.perf_counter()
+        ctx.prefill(ids[:a.tokens], logits=False)
+        out["seconds"] = time.perf_counter() - t
+        out["tokens_per_s"] = a.tokens / out["seconds"]
+        out["state_mib"] = ctx.nbytes / 2**20
+    elif a.mode == "decode":
+        ctx = Context(model, a.tokens + 16)
+        for warm in (8, a.tokens):
+            ctx.reset()
+            tok, t = ids[0], time.perf_counter()
+            for _ in range(warm):
+                tok = int(ctx.forward([tok], keep=1, logits=False).ids[-1])
+        out["seconds"] = time.perf_counter() - t
+        out["tokens_per_s"] = a.tokens / out["seconds"]
+    elif a.mode == "costs":
+        from snapspec.runtime.adaptive import measure_costs
+
+        drafter = load(a.drafter, threads=a.drafter_threads, role="drafter", spin=False)
+        window = model.manifest.rollback["window"]
+        tctx = Context(model, 128, mode=default_mode(model), window=window)
+        dctx = Context(drafter, 128, mode=default_mode(drafter, "drafter"), window=window)
+        tctx.prefill(ids[:64], logits=False)
+        dctx.prefill(ids[:64], logits=False)
+        n_max = min(a.k_max, tctx.depth) + 1
+        costs = measure_costs(tctx, dctx, n_max, reps=a.reps, tokens=ids[64:64 + n_max])
+        out.update(C=costs.C, c=costs.c, r=costs.r, target_step_ms=1e3 * costs.step_seconds)
+    elif a.mode == "sampling":
+        from snapspec.runtime import Generator, SamplingParams
+
+        sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
+        runs = []
+        Generator(model, ids[:16], max_new_tokens=8, stop_at_eos=False).run()  # warm-up
+        for params in (SamplingParams(), sampled, SamplingParams(), sampled, SamplingParams()):  # A B A B A
+            g = Generator(model, ids[:16], max_new_tokens=a.tokens, sampling=params, stop_at_eos=False)
+            g.run()
+            decode = g.stats.seconds["decode"]
+            runs.append({"greedy": params.greedy, "decode_tokens_per_s": (len(g.tokens) - 1) / decode,
+                         "sampling_ms_per_token": 1e3 * g.stats.seconds.get("sampling", 0.0) / len(g.tokens)})
+        out["runs"] = runs
+    elif a.mode == "profile":
+        out["profile"] = {"decode": _profile(a.folder, a.threads, 1, 10),
+                          "prefill_512": _profile(a.folder, a.threads, 512, 2)}
+    out["peak_rss_mib"] = _vm("VmHWM")
+    return out
+
+
+def _profile(folder: Path, threads: int, t: int, runs: int) -> dict:
+    """onnxruntime's profile of `runs` forwards of t tokens on an empty context: kernel ms per run by op type."""
+    import onnxruntime as ort
+
+    from snapspec.runtime import Context, load
+
+    model = load(folder, threads=threads)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    so.enable_profiling = True
+    so.profile_file_prefix = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"realshape-prof-{os.getpid()}")
+    model.session = ort.InferenceSession(str(model.manifest.graph_path("forward")), so,
+                                         providers=["CPUExecutionProvider"])
+    ctx = Context(model, t + 8)
+    ids = list(range(1, t + 1))
+    for _ in range(runs + 1):
+        ctx.reset()
+        ctx.forward(ids, keep=1, logits=False)
+    trace = Path(model.session.end_profiling())
+    events = json.loads(trace.read_text())
+    trace.unlink()
+    by_op: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            by_op[e["args"]["op_name"]] = by_op.get(e["args"]["op_name"], 0.0) + e["dur"] / 1e3 / (runs + 1)
+    total = sum(by_op.values())
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:10]
+    return {"tokens": t, "kernel_ms": total, "by_op_ms": {k: round(v, 3) for k, v in top}}
+
+
+# -- the parent: prepare, alternate, summarise -----------------------------------------------------------------------
+def run_child(args: list[str]) -> dict:
+    p = subprocess.run([sys.executable, __file__, "child", *args], capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"child {' '.join(args)} failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def run_llama(bench: Path, gguf: Path, threads: int, prompt: int, decode: int) -> dict:
+    cmd = ["/usr/bin/time", "-f", "MAXRSS %M", str(bench), "-m", str(gguf), "-p", str(prompt), "-n", str(decode),
+           "-t", str(threads), "-r", "1", "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    rows = json.loads(p.stdout)
+    tps = rows[-1]["avg_ts"]
+    peak = int(re.search(r"MAXRSS (\d+)", p.stderr).group(1)) / 1024
+    return {"tokens_per_s": tps, "peak_rss_mib": peak}
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def prepare(a, name: str, variant: str) -> tuple[Path, Path]:
+    """The snapspec export and the GGUF file of one checkpoint and variant, made when missing."""
+    ckpt = a.ckpts / name
+    folder = a.work / f"{name}-{variant}"
+    if not folder.is_dir():
+        quant = ["--quant", "int4"] if variant == "int4" else []
+        subprocess.run([sys.executable, "-m", "snapspec.tools.cli", "export", str(ckpt), "-o", str(folder), *quant],
+                       check=True)
+    f32 = a.work / f"{name}-f32.gguf"
+    gguf = f32 if variant == "fp32" else a.work / f"{name}-q4_0.gguf"
+    if not f32.exists() and not gguf.exists():
+        subprocess.run([str(a.llama / "convert.sh"), str(ckpt), str(f32), "f32"], check=True,
+                       env={**os.environ, "PYTHON": sys.executable})
+    if not gguf.exists():
+        subprocess.run([str(a.llama / "bin" / "llama-quantize"), str(f32), str(gguf), "Q4_0"], check=True,
+                       capture_output=True)
+    return folder, gguf
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": float(np.median(xs)), "min": float(min(xs)), "max": float(max(xs)), "all": xs}
+
+
+def compare(a, folder: Path, gguf: Path) -> dict:
+    """Alternating snapspec / llama.cpp measurements of prefill at each length and of decode."""
+    bench = a.llama / "bin" / "llama-bench"
+    common = ["--folder", str(folder), "--threads", str(a.threads)]
+    result = {}
+    phases = [("prefill", n) for n in a.prompts] + [("decode", a.decode)]
+    for mode, n in phases:
+        ours, theirs = [], []
+        for _ in range(a.reps):
+            ours.append(run_child(common + ["--mode", mode, "--tokens", str(n)]))
+            theirs.append(run_llama(bench, gguf, a.threads, n if mode == "prefill" else 0,
+                                    n if mode == "decode" else 0))
+        ratio = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, theirs)]
+        key = f"{mode}_{n}"
+        result[key] = {"snapspec_tps": spread([o["tokens_per_s"] for o in ours]),
+                       "llama_tps": spread([t["tokens_per_s"] for t in theirs]), "ratio": spread(ratio),
+                       "snapspec_peak_rss_mib": spread([o["peak_rss_mib"] for o in ours]),
+                       "llama_peak_rss_mib": spread([t["peak_rss_mib"] for t in theirs]),
+                       "snapspec_rss_after_load_mib": spread([o["rss_after_load_mib"] for o in ours])}
+        if mode == "prefill":
+            result[key]["snapspec_state_mib"] = ours[0]["state_mib"]
+        print(f"  {folder.name} {key}: snapspec {result[key]['snapspec_tps']['median']:.1f} t/s, llama.cpp "
+              f"{result[key]['llama_tps']['median']:.1f} t/s, ratio {result[key]['ratio']['median']:.2f} "
+              f"({min(ratio):.2f}-{max(ratio):.2f}); peak RSS {result[key]['snapspec_peak_rss_mib']['median']:.0f} "
+              f"vs {result[key]['llama_peak_rss_mib']['median']:.0f} MiB", flush=True)
+    return result
+
+
+def emitted_per_round(path: Path | None) -> dict[int, float]:
+    if path is None:
+        return {}
+    data = json.loads(path.read_text())
+    return {int(c["k"]): float(c["mean_emitted_per_round"]) for c in data["configs"]
+            if c.get("k") and c.get("rollback", "auto") == "auto" and c.get("mean_emitted_per_round")}
+
+
+def provenance(a) -> dict:
+    import onnxruntime as ort
+
+    import snapspec
+
+    git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    return {"snapspec": snapspec.__version__, "git": git.stdout.strip(), "onnxruntime": ort.__version__,
+            "cpu": cpu, "cores": os.cpu_count(), "threads": a.threads, "llama.cpp": str(a.llama),
+            "load_average_at_start": os.getloadavg(), "command": " ".join(sys.argv)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd")
+    c = sub.add_parser("child")
+    c.add_argument("--folder", type=Path, required=True)
+    c.add_argument("--mode", choices=["prefill", "decode", "costs", "profile", "sampling"], required=True)
+    c.add_argument("--tokens", type=int, default=64)
+    c.add_argument("--threads", type=int, default=2)
+    c.add_argument("--drafter", type=Path)
+    c.add_argument("--drafter-threads", type=int, default=1)
+    c.add_argument("--k-max", type=int, default=4)
+    c.add_argument("--reps", type=int, default=7)
+    p.add_argument("--ckpts", type=Path, default=Path("/work/ckpts"))
+    p.add_argument("--work", type=Path, required=False)
+    p.add_argument("--llama", type=Path, default=SHARED / "peers" / "llama.cpp")
+    p.add_argument("--models", default="qwen35-0.8b")
+    p.add_argument("--variants", default="fp32,int4")
+    p.add_argument("--prompts", default="512,4096")
+    p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--spec", help="TARGET:DRAFTER checkpoint names (int4 exports) for the cost model")
+    p.add_argument("--drafter-threads", type=int, default=1)
+    p.add_argument("--k-max", type=int, default=4)
+    p.add_argument("--pair-a-bench", type=Path, help="snapspec bench --json of the int4 pair-a (tokens per round)")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--sampling", action="store_true", help="also sampled vs greedy decoding speed (int4 variants)")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    if a.cmd == "child":
+        print(json.dumps(child(a)))
+        return 0
+    if a.work is None:
+        p.error("--work is required")
+    a.work.mkdir(parents=True, exist_ok=True)
+    a.prompts = [int(x) for x in a.prompts.split(",")]
+    res = {"provenance": provenance(a), "models": {}}
+    for name in a.models.split(","):
+        for variant in a.variants.split(","):
+            folder, gguf = prepare(a, name, variant)
+            entry = {"folder": str(folder), "folder_bytes": folder_bytes(folder), "gguf": str(gguf),
+                     "gguf_bytes": gguf.stat().st_size, "export": json.loads((folder / "snapspec.json").read_text())["export"]}
+            entry["size_ratio"] = entry["folder_bytes"] / entry["gguf_bytes"]
+            print(f"{folder.name}: folder {entry['folder_bytes'] / 2**20:.0f} MiB, {gguf.name} "
+                  f"{entry['gguf_bytes'] / 2**20:.0f} MiB ({entry['size_ratio']:.2f}x)", flush=True)
+            entry.update(compare(a, folder, gguf))
+            if a.sampling and variant == "int4":
+                runs = run_child(["--folder", str(folder), "--threads", str(a.threads), "--mode", "sampling",
+                                  "--tokens", str(a.decode)])["runs"]
+                greedy = [r["decode_tokens_per_s"] for r in runs if r["greedy"]]
+                sampled = [r["decode_tokens_per_s"] for r in runs if not r["greedy"]]
+                entry["sampling"] = {"runs": runs, "sampled_over_greedy": spread(
+                    [s / ((g0 + g1) / 2) for s, g0, g1 in zip(sampled, greedy, greedy[1:])])}
+                print(f"  {folder.name} sampled / greedy decode speed "
+                      f"{entry['sampling']['sampled_over_greedy']['median']:.3f}, sampling "
+                      f"{np.median([r['sampling_ms_per_token'] for r in runs if not r['greedy']]):.2f} ms/token",
+                      flush=True)
+            if a.profile:
+                entry["profile"] = run_child(["--folder", str(folder), "--threads", str(a.threads),
+                                              "--mode", "profile"])["profile"]
+            res["models"][f"{name}-{variant}"] = entry
+            if a.json:
+                a.json.write_text(json.dumps(res, indent=1))
+    if a.spec:
+        target, drafter = (prepare(a, n, "int4")[0] for n in a.spec.split(":"))
+        costs = run_child(["--folder", str(target), "--drafter", str(drafter), "--mode", "costs", "--threads",
+                           str(a.threads), "--drafter-threads", str(a.drafter_threads), "--k-max", str(a.k_max)])
+        m = emitted_per_round(a.pair_a_bench)
+        costs["predicted_speedup"] = {str(k): mk / (costs["C"][k] + k * costs["c"] + costs["r"])
+                                      for k, mk in m.items() if k < len(costs["C"])}
+        costs["pair_a_emitted_per_round"] = {str(k): v for k, v in m.items()}
+        res["speculation"] = {"target": str(target), "drafter": str(drafter), **costs}
+        print(f"speculation {a.spec}: C(n) {' '.join(f'{x:.2f}' for x in costs['C'])}, c {costs['c']:.3f}, "
+              f"r {costs['r']:.3f}, step {costs['target_step_ms']:.1f} ms, predicted {costs['predicted_speedup']}",
+              flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
