@@ -113,7 +113,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
                       Graph("replay", dtype, "none", data=data[1]), embedding_dtype=embedding_dtype)
         with _progress(weights, data, show_progress):
             module.build(dec, weights, spec, ctx)
-        dec.finish()
+        dec.finish(rows=rollback_window)
         weights.check_covered()
         level = _experts_keep_float32(dec.fwd, level)
         for d in data:

@@ -265,7 +265,9 @@ class Context:
     def _output_shape(self, name: str, t: int, keep: int) -> tuple[list[int], type]:
         """A graph output's shape for a call of t tokens keeping `keep` rows, from the graph's own dimensions."""
         o = self._outputs[name]
-        sizes = {"batch": 1, "sequence": t, "kept": keep if self.keeps_rows else t}
+        packed = self.model.manifest.rollback_data or {}
+        sizes = {"batch": 1, "sequence": t, "kept": keep if self.keeps_rows else t,
+                 "rollback_rows": min(t, int(packed.get("rows") or t))}
         dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
         return dims, {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}[o.type]
 

@@ -90,17 +90,18 @@ class Dist:
     def sample(self, rng: np.random.Generator, block: int = 1024) -> int:
         """One draw by inverse CDF on one uniform, in two levels (block sums, then within one block), so a support
         of 200,000 tokens costs two short cumulative sums instead of one long one."""
+        w = self.w
+        full = w.size // block * block
         if not hasattr(self, "_cum"):
-            w = self.w
-            nb = -(-w.size // block)
-            self._blocks = np.zeros((nb, block), np.float64)
-            self._blocks.reshape(-1)[:w.size] = w
-            self._cum = np.cumsum(self._blocks.sum(axis=1))
-        cum, w = self._cum, self.w
+            sums = w[:full].reshape(-1, block).sum(axis=1, dtype=np.float64)
+            if full < w.size:
+                sums = np.append(sums, w[full:].sum(dtype=np.float64))
+            self._cum = np.cumsum(sums)
+        cum = self._cum
         x = rng.random() * cum[-1]
         b = min(int(np.searchsorted(cum, x, side="right")), cum.size - 1)
-        inner = np.cumsum(self._blocks[b]) + (cum[b - 1] if b else 0.0)
-        i = min(b * block + int(np.searchsorted(inner, x, side="right")), w.size - 1)
+        inner = np.cumsum(w[b * block:(b + 1) * block], dtype=np.float64) + (cum[b - 1] if b else 0.0)
+        i = b * block + min(int(np.searchsorted(inner, x, side="right")), inner.size - 1)
         while w[i] == 0:  # rounding put x past the block's last positive weight: take that weight
             i -= 1
         return int(i if self.ids is None else self.ids[i])
@@ -126,14 +127,21 @@ def distribution(row: np.ndarray, p: SamplingParams) -> Dist:
         z = z[ids]
     e = np.exp(z - z.max())
     if p.top_p < 1.0:
-        keep = _nucleus(e, p.top_p)
-        ids, e = (keep if ids is None else ids[keep]), e[keep]
+        floor, count, extra = _nucleus(e, p.top_p)
+        if count > e.size // 16:  # a wide nucleus: zero the rest in place of gathering the kept ids
+            w = e * (e >= floor)
+            w[extra] = e[extra]
+            e = w
+        else:
+            keep = np.concatenate([np.flatnonzero(e >= floor), extra])
+            ids, e = (keep if ids is None else ids[keep]), e[keep]
     return Dist(ids, e, int(np.asarray(row).shape[-1]))
 
 
-def _nucleus(e: np.ndarray, top_p: float, band_max: int = 2048) -> np.ndarray:
-    """Positions in e (unnormalised probabilities, max 1) of the top-p nucleus: the reference's stable full sort,
-    restricted to the band of values that can hold the cut.
+def _nucleus(e: np.ndarray, top_p: float, band_max: int = 2048) -> tuple[np.float32, int, np.ndarray]:
+    """The top-p nucleus of e (unnormalised probabilities, max 1) as (floor, count, extra): every element >= floor
+    (count of them) and the positions `extra` below it. It equals the reference's stable full sort's, computed on
+    the band of values that can hold the cut.
 
     Bisection on log thresholds lo < hi keeps two facts true: the elements >= e^hi weigh less than the goal (the cut
     lies below all of them: they are in) and the elements >= e^lo weigh at least the goal (the cut lies at or above
@@ -158,10 +166,9 @@ def _nucleus(e: np.ndarray, top_p: float, band_max: int = 2048) -> np.ndarray:
         else:
             lo, n_lo = mid, n
     band, band_e = _band(e, lo, hi) if pos is None else _band(vals, lo, hi, pos)
-    inside = np.flatnonzero(e >= np.float32(np.exp(hi)))
     order = np.argsort(-band_e, kind="stable")  # band ascending by position: ties go by token id
     cum = mass_in + np.cumsum(band_e[order], dtype=np.float64)
-    return np.concatenate([inside, band[order[: int(np.searchsorted(cum, goal)) + 1]]])
+    return np.float32(np.exp(hi)), n_in, band[order[: int(np.searchsorted(cum, goal)) + 1]]
 
 
 def _band(vals: np.ndarray, lo: float, hi: float, pos: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

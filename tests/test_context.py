@@ -254,3 +254,27 @@ def test_int4_verify_equals_steps_at_the_end_of_the_context(model, arch):
     assert verify.n_past == steps.n_past == 25 == verify.max_len
     assert np.array_equal(multi.ids, np.concatenate([s.ids for s in singles]))
     assert np.array_equal(multi.logits, np.concatenate([s.logits for s in singles]))
+
+
+def test_rollback_data_covers_the_first_window_rows(model):
+    """The forward's rollback data holds the first W tokens of a call only (a prefill chunk's would otherwise hold
+    every token): a long forward cannot be replayed into past them (the store says so instead of replaying rows it
+    has not got), while a verify forward of k + 1 <= W + 1 tokens rolls back by replay to the state of decoding
+    its prefix directly."""
+    m = model("qwen3_5_text")
+    w = m.manifest.rollback["window"]
+    assert m.manifest.rollback_data["rows"] == w
+    ids = list(np.random.default_rng(4).integers(1, m.vocab_size, 40))
+    ctx = Context(m, 48)
+    ctx.forward(ids[:30])
+    assert ctx.recurrent._last.data.shape()[1] == w  # [1, W, width], not [1, 30, width]
+    assert ctx.can_rollback(3) is None  # keeping 27 of the 30 tokens would need rows 8..26
+    assert ctx.can_rollback(30 - w) == "replay"  # keeping W tokens: the rows it has
+    ctx.forward(ids[30:35])
+    ctx.rollback(32)
+    direct = Context(m, 48)
+    direct.forward(ids[:30])
+    direct.forward(ids[30:32])
+    got, want = ctx.state_snapshot(), direct.state_snapshot()
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name

@@ -49,7 +49,13 @@ class ReplayState(SlotState):
     def _replayable(self, pos: int) -> bool:
         last = self._last
         return last is not None and last.start <= pos < last.start + last.length and \
-            self.slot_pos[last.src] == last.start
+            pos - last.start <= self._rows(last) and self.slot_pos[last.src] == last.start
+
+    @staticmethod
+    def _rows(last: _Forward) -> int:
+        """Tokens of the forward its rollback data covers: all in older exports, the first W in newer ones (a
+        prefill chunk's data stops there)."""
+        return int(last.data.shape()[1])
 
     def reach(self, pos: int) -> str | None:
         return "replay" if pos in self.slot_pos or self._replayable(pos) else None
@@ -88,7 +94,7 @@ class ReplayState(SlotState):
         out = super().positions()
         last = self._last
         if last is not None and self.slot_pos[last.src] == last.start:
-            out |= set(range(last.start, last.start + last.length))
+            out |= set(range(last.start, last.start + min(last.length, self._rows(last) + 1)))
         return out
 
     def restored(self, pos: int, memo) -> None:
