@@ -79,8 +79,11 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
             tctx.forward(tokens[:n], keep=n, logits=False)  # a greedy verify: n rows of ids
             t1 = time.perf_counter()
             if dctx is not None:
-                dctx.forward(tokens[:1], keep=1, logits=False)
-                dctx.forward(tokens[:1], keep=1, logits=False)
+                if dctx.chains:  # two steps as a round drafts them: chained on the device, read once
+                    dctx.draft(tokens[:1], 2).read()
+                else:
+                    dctx.forward(tokens[:1], keep=1, logits=False)
+                    dctx.forward(tokens[:1], keep=1, logits=False)
             t3 = time.perf_counter()
             keep = 1 if n > 1 else 0  # a partial acceptance: both contexts roll back
             tctx.rollback(tctx.n_past - (n - keep))

@@ -91,7 +91,8 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     """
     m = genai_folder.read_manifest(folder, verify)  # snapspec.json, or derived from an onnxruntime-genai folder
     opts = _options(threads, spin)
-    used_ep, providers = configure(ep, opts, allow_fallback, cuda_graph=cuda_graph > 0)
+    # With graphs, every session of the model runs on snapspec's stream: replays are queued, not waited for.
+    used_ep, providers = configure(ep, opts, allow_fallback, cuda_graph=cuda_graph > 0, shared_stream=cuda_graph > 0)
     if used_ep == "cuda":
         _check_cuda_support(m)
     if cuda_graph and used_ep != "cuda":
@@ -108,7 +109,8 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     replay, replay_path = None, m.graph_path("replay") if graph == "forward" else None
     if replay_path is not None:
         replay_opts = _options(threads, spin=False)
-        _, replay_providers = configure(used_ep, replay_opts, allow_fallback)  # a plugin EP adds its device here
+        _, replay_providers = configure(used_ep, replay_opts, allow_fallback,  # a plugin EP adds its device here
+                                        shared_stream=cuda_graph > 0 and used_ep == "cuda")
         replay = _session(replay_path, replay_opts, replay_providers)
     tok_path = m.folder / "tokenizer.json"
     if not tok_path.exists():
