@@ -89,9 +89,12 @@ class Drafter(ABC):
 class ModelDrafter(Drafter):
     """A drafter model over its own Context: k one-token steps per round, rolled back to the accepted position."""
 
-    def __init__(self, ctx: Context, prefill_chunk: int | None = None):
+    def __init__(self, ctx: Context, prefill_chunk: int | None = None, chain: bool = True):
+        """chain: chain greedy drafts on the device when the context can (False: one step at a time, each read
+        back before the next; kept for comparisons)."""
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
+        self.chain = chain
         self._round: tuple[int, int, bool] | None = None  # (len(seq), k, checkpoint) of the last propose
 
     @property
@@ -119,7 +122,8 @@ class ModelDrafter(Drafter):
     def measure_costs(self, tctx: Context, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
         if tctx.n_past + n_max > tctx.max_len or self.ctx.n_past + 2 > self.ctx.max_len:
             return None
-        return measure_costs(tctx, self.ctx, n_max, reps=reps, tokens=tokens)
+        return measure_costs(tctx, self.ctx, n_max, reps=reps, tokens=tokens,
+                             chained=self.chain and self.ctx.chains)
 
     def propose(self, seq: list[int], k: int, *, checkpoint: bool = False) -> Draft:
         ctx, st, n = self.ctx, self.stats, len(seq)
@@ -134,7 +138,7 @@ class ModelDrafter(Drafter):
         self._round = (n, k, checkpoint)
         greedy = self.sampling.greedy
         st.drafter_forwards += k
-        if greedy and ctx.chains:
+        if greedy and self.chain and ctx.chains:
             return Draft([], device=ctx.draft(seq[ctx.n_past:], k))
         tokens, q = [], []
         rows = ctx.forward(seq[ctx.n_past:], keep=1, logits=not greedy)
