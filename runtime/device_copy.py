@@ -70,7 +70,8 @@ class _Cudart:
         if self.lib is None:
             raise SnapspecError("the CUDA runtime library (libcudart) is not loadable; device-side copies need it")
         lib = self.lib
-        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                        ctypes.c_void_p]
         lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
         lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
@@ -84,7 +85,8 @@ class _Cudart:
 
     def create_stream(self) -> int:
         handle = ctypes.c_void_p()
-        self._check(self.lib.cudaStreamCreateWithFlags(ctypes.byref(handle), 1), "cudaStreamCreateWithFlags")  # non-blocking
+        # non-blocking, as onnxruntime's own streams: the legacy default stream does not wait for it, nor it for that
+        self._check(self.lib.cudaStreamCreateWithFlags(ctypes.byref(handle), 1), "cudaStreamCreateWithFlags")
         return int(handle.value)
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
@@ -93,7 +95,7 @@ class _Cudart:
     def sync_stream(self, stream: int) -> None:
         self._check(self.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
 
-    def pinned(self, nbytes: int) -> "_Pinned":
+    def pinned(self, nbytes: int) -> _Pinned:
         ptr = ctypes.c_void_p()
         self._check(self.lib.cudaHostAlloc(ctypes.byref(ptr), nbytes, 0), "cudaHostAlloc")
         return _Pinned(self, int(ptr.value), nbytes)

@@ -54,7 +54,7 @@ class Stream:
     def d2d(self, dst: int, src: int, nbytes: int) -> None:
         self._copy(dst, src, nbytes, _D2D)
 
-    def fetch(self, ids: "DeviceIds") -> None:
+    def fetch(self, ids: DeviceIds) -> None:
         """Queue the copy of ids to the host; the next sync() fills ids.host."""
         state = self._state()
         buf = self.staging(ids.n)

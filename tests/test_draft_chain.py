@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from snapspec import SnapspecError
 from snapspec.runtime import Context, Generator, default_mode, load
 from snapspec.runtime.contract import rel_err
+
+from snapspec import SnapspecError
 
 
 def _one_step_draft(ctx: Context, tokens: list[int], k: int) -> list[int]:
@@ -100,6 +100,13 @@ def test_draft_refuses_what_it_cannot_chain(tiny_export):
         ctx.draft([1], 6)  # 11 + 1 + 5 consumed > 16
 
 
+def _counting(draft, calls: list):
+    def counted(tokens, k):
+        calls.append(k)
+        return draft(tokens, k)
+    return counted
+
+
 @pytest.mark.parametrize("target,drafter", [("qwen3_5_text", "lfm2"), ("qwen3_next", "qwen3")])
 def test_chained_speculation_equals_plain_greedy(tiny_export, target, drafter):
     """Speculation whose drafts are chained on the device and verified from there equals plain greedy decoding for
@@ -111,8 +118,7 @@ def test_chained_speculation_equals_plain_greedy(tiny_export, target, drafter):
         tctx = Context(t, 96, mode=default_mode(t), window=8, graph_tokens=9)
         dctx = Context(d, 96, mode=default_mode(d, "drafter"), window=8, graph_tokens=2)
         calls = []
-        chain = dctx.draft
-        dctx.draft = lambda tokens, n: calls.append(n) or chain(tokens, n)
+        dctx.draft = _counting(dctx.draft, calls)
         g = Generator(t, prompt, drafter=d, max_new_tokens=40, draft_max=k, stop_at_eos=False, target_ctx=tctx,
                       drafter_ctx=dctx)
         assert g.run() == plain, f"k={k}"
