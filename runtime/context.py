@@ -185,9 +185,9 @@ class Context:
         if self._fixed(keys, t, keep):
             outs = self._queue(keys, ids[0], keep, tail)
             nxt = self._next_ids(outs, t, keep) if self.argmax_in_graph else None
-            for queued in (nxt, tail):  # both read with one wait
-                if queued is not None:
-                    queued.fetch()
+            for pending in (nxt, tail):  # both read with one wait
+                if pending is not None:
+                    pending.fetch()
             self.stream.sync()
             # Copies: on CPU, numpy() views a buffer that the next forward rewrites.
             rows = outs["logits"].numpy()[0, -keep:].copy() if logits or nxt is None else None

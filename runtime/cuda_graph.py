@@ -31,15 +31,15 @@ import numpy as np
 import onnxruntime as ort
 
 from .state import allocate
-from .stream import DeviceIds, Stream
+from .stream import DeviceIds, Stream, queued
 
 GRAPH_ID = "gpu_graph_id"
 
 
-def run_options(graph_id: int) -> ort.RunOptions:
+def run_options(graph_id: int, queue: bool = False) -> ort.RunOptions:
     ro = ort.RunOptions()
     ro.add_run_config_entry(GRAPH_ID, str(graph_id))
-    if graph_id >= 0:  # queued, not waited for: the stream orders what follows
+    if queue:  # returns once queued: the shared stream orders what follows
         ro.add_run_config_entry("disable_synchronize_execution_providers", "1")
     return ro
 
@@ -111,7 +111,7 @@ class CapturedSteps:
             b.bind_input("position_ids", self.device, 0, np.int64, [1, t], ptr + 8 * t)
             b.bind_input("attention_mask", self.device, 0, np.int64, [1, self.max_len], ptr + 16 * t)
             outputs = make(b)
-            g = self._graphs[key] = _Graph(b, outputs, run_options(self.graphs.new_id()))
+            g = self._graphs[key] = _Graph(b, outputs, run_options(self.graphs.new_id(), queued(self.device)))
         self.graphs.session.run_with_iobinding(g.binding, g.options)
         g.runs += 1
         return g.outputs

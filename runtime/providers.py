@@ -88,8 +88,9 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool, cuda_grap
             if cuda_graph:
                 options["enable_cuda_graph"] = "1"
             if shared_stream:
-                from .stream import stream_for
-                options["user_compute_stream"] = str(stream_for("cuda").handle)
+                from .stream import queued, stream_for
+                if queued("cuda"):
+                    options["user_compute_stream"] = str(stream_for("cuda").handle)
             return ep, [(PROVIDERS[ep], options), "CPUExecutionProvider"]
         return ep, [PROVIDERS[ep], "CPUExecutionProvider"]
     have = ", ".join(available())

@@ -12,6 +12,9 @@ The stream is non-blocking (as onnxruntime's own streams are): it does not wait 
 nothing waits for it except through `sync()`. Copies of state (checkpoints, zeroing) go through it too
 (device_copy.Copier), then sync.
 
+`SNAPSPEC_CUDA_STREAM=own` (diagnosis) keeps onnxruntime's own per-session streams: replays then wait as before and
+every copy here waits on the legacy default stream, so nothing is queued across calls.
+
 On CPU the same calls run at once (memmove), so the same code paths run in tests. Host staging for queued copies is
 bump-allocated per thread and recycled at each sync: a buffer handed to a queued copy is never rewritten before the
 copy has run.
@@ -20,6 +23,7 @@ copy has run.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -103,11 +107,14 @@ class CudaStream(Stream):
     def __init__(self):
         from .device_copy import cudart
         self.rt = cudart()
-        self.handle = self.rt.create_stream()
+        self.shared = os.environ.get("SNAPSPEC_CUDA_STREAM", "shared") != "own"
+        self.handle = self.rt.create_stream() if self.shared else 0  # 0: the legacy default stream
         super().__init__()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
         self.rt.memcpy_async(dst, src, nbytes, kind, self.handle)
+        if not self.shared:  # sessions run on streams of their own: order by waiting
+            self.rt.sync_stream(0)
 
     def _wait(self) -> None:
         self.rt.sync_stream(self.handle)
@@ -146,6 +153,11 @@ class DeviceIds:
 
 _STREAMS: dict[str, Stream] = {}
 _LOCK = threading.Lock()
+
+
+def queued(device: str) -> bool:
+    """Whether CUDA sessions share snapspec's stream (and replays may return before they ran)."""
+    return device == "cuda" and stream_for("cuda").shared
 
 
 def stream_for(device: str) -> Stream | None:
