@@ -172,12 +172,15 @@ def prepare(a, name: str, variant: str) -> tuple[Path, Path]:
                        check=True)
     f32 = a.work / f"{name}-f32.gguf"
     gguf = f32 if variant == "fp32" else a.work / f"{name}-q4_0.gguf"
-    if not f32.exists() and not gguf.exists():
-        subprocess.run([str(a.llama / "convert.sh"), str(ckpt), str(f32), "f32"], check=True,
-                       env={**os.environ, "PYTHON": sys.executable})
     if not gguf.exists():
-        subprocess.run([str(a.llama / "bin" / "llama-quantize"), str(f32), str(gguf), "Q4_0"], check=True,
-                       capture_output=True)
+        # Q4_0 alone is quantized from a bf16 file (lossless for bf16 checkpoints, half the disk of f32)
+        source = f32 if variant == "fp32" or f32.exists() else a.work / f"{name}-bf16.gguf"
+        if not source.exists():
+            subprocess.run([str(a.llama / "convert.sh"), str(ckpt), str(source), "f32" if source == f32 else "bf16"],
+                           check=True, env={**os.environ, "PYTHON": sys.executable})
+        if gguf != source:
+            subprocess.run([str(a.llama / "bin" / "llama-quantize"), str(source), str(gguf), "Q4_0"], check=True,
+                           capture_output=True)
     return folder, gguf
 
 

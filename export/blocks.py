@@ -540,7 +540,7 @@ class Decoder:
         Otherwise a table stored in another dtype than the graph's (float16 under int4: exact for bf16 checkpoints'
         values in float16 range; or `embedding_dtype`) is gathered, then the rows are cast."""
         g = self.fwd
-        self._embed_q4 = None
+        self._embed_q4 = self._embed_dense = None
         n, k = table.shape
         with g.scope("model/embed_tokens"):
             if self.embedding_dtype is None and g.quantizes(k):
@@ -560,11 +560,14 @@ class Decoder:
             stored = np.dtype(np.float16 if self.embedding_dtype == "float16" else np.float32) \
                 if self.embedding_dtype else np.dtype(np.float16) if g.quant == "int4" else g.np_dtype
             self.embedding_storage = str(stored)
+            self._embed_dense = None
             if stored != g.np_dtype:
                 rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
                 return g.op("Cast", [rows], "Cast", to=g.onnx_dtype)
-            return g.op("Gather", [g.const("weight", table), self.input_ids], "Gather")
+            name = g.const("weight", table)
+            self._embed_dense = (table, name)
+            return g.op("Gather", [name, self.input_ids], "Gather")
 
     def final_norm(self, y: str, h: str, gamma: np.ndarray, eps: float) -> str:
         """rms_norm(y + h) over the last `logits_to_keep` positions: nothing after it needs the other rows."""
@@ -586,7 +589,7 @@ class Decoder:
         """`logits` [batch, kept, vocab] float32 and `next_tokens` [batch, kept] int64, their argmax."""
         g = self.fwd
         with g.scope("lm_head"):
-            y = self._tied_int4(x, lm_head) or g.linear(x, lm_head, "proj")
+            y = self._tied_int4(x, lm_head) or self._tied_dense(x, lm_head) or g.linear(x, lm_head, "proj")
             if g.onnx_dtype != F32:
                 y = g.op("Cast", [y], "Cast", to=F32)
             best = g.op("ArgMax", [y], "ArgMax", axis=-1, keepdims=0, select_last_index=0)
@@ -602,6 +605,21 @@ class Decoder:
         g = self.fwd
         with g.scope("proj"):
             return g.matmul_nbits(x, data, g.const("scales", scales), g.const("zero_points", zeros), *lm_head.shape)
+
+    def _tied_dense(self, x: str, lm_head) -> str | None:
+        """The output projection on the embedding table itself when both are one unquantized tensor: Gemm with
+        transB reads the (vocab, hidden) table as stored, so it is written once (at 248,320 x 1024 in float32 a
+        transposed copy was another 1 GB on disk). Gemm takes 2-D inputs: the rows are flattened and put back."""
+        dense = getattr(self, "_embed_dense", None)
+        g = self.fwd
+        if dense is None or g.quantizes(lm_head.shape[1]) or not _same_tensor(dense[0], lm_head):
+            return None
+        n, k = lm_head.shape
+        with g.scope("proj"):
+            y = g.op("Gemm", [g.reshape(x, [-1, k], "flatten"), dense[1]], "Gemm", transB=1)
+            lead = g.op("Shape", [x], "Shape", start=0, end=2)  # [batch, kept]
+            shape = g.op("Concat", [lead, g.ints("vocab", [n])], "shape", axis=0)
+            return g.op("Reshape", [y, shape], "unflatten")
 
     def table(self) -> dict:
         packed = None
