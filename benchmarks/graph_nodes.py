@@ -34,8 +34,14 @@ def count(folder: Path, ep: str) -> dict:
         ort.InferenceSession(str(folder / "model.onnx"), opts, providers=providers)
         graph = onnx.load(opts.optimized_model_filepath, load_external_data=False).graph
     ops = collections.Counter(n.op_type for n in graph.node)
+    users = collections.defaultdict(list)
+    for n in graph.node:
+        for i in n.input:
+            users[i].append(n.name)
+    # a copy between host and device inside a step: CUDA graph capture refuses the session
+    copies = {n.name: [n.input[0], users[n.output[0]]] for n in graph.node if n.op_type.startswith("Memcpy")}
     return {"nodes": len(graph.node), "device_nodes": sum(v for k, v in ops.items() if k not in NO_KERNEL),
-            "ops": dict(ops.most_common())}
+            "ops": dict(ops.most_common()), "memcpy": copies}
 
 
 def main(argv=None) -> int:
@@ -48,7 +54,7 @@ def main(argv=None) -> int:
     for f in a.folders:
         res[str(f)] = count(f, a.ep)
         print(f"{f}: {res[str(f)]['nodes']} nodes, {res[str(f)]['device_nodes']} that launch work; "
-              f"{res[str(f)]['ops']}", flush=True)
+              f"{res[str(f)]['ops']}; copies {res[str(f)]['memcpy']}", flush=True)
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
     return 0

@@ -251,6 +251,7 @@ track_cpu_chain() {
 track_gpu_chain() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > $B/res/gpu.txt
   await pair || true
+  stage nodes-pair nodes pair $B/payload/pair/drafter $B/payload/pair/target
   if ! stage smoke smoke; then  # sessions on snapspec's stream failed: measure the rest the old way, and say so
     export SNAPSPEC_CUDA_STREAM=own
     log "smoke failed: the rest runs with SNAPSPEC_CUDA_STREAM=own"
@@ -258,7 +259,6 @@ track_gpu_chain() {
   fi
   stage tests tests
   quiet 300
-  stage nodes-pair nodes pair $B/payload/pair/drafter $B/payload/pair/target
   stage pair-chain chain_bench
   stage pair-graph pair_bench graph 9 auto
   [ -e $B/mark/pair-graph.ok ] && emitted graph
