@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--context-fill", type=int, default=64)
     p.add_argument("--profile", type=Path)
     p.add_argument("--profile-k", type=int, default=3)
+    p.add_argument("--spare-row", type=int, default=1, help="0: KV buffers without the spare row (Context)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
 
@@ -109,11 +110,11 @@ def main(argv=None) -> int:
     ctx_len = max(max(len(i) for i in ids) + a.max_new_tokens, a.context_fill + 16) + window + 2
 
     def contexts():
-        return (Context(target, ctx_len, mode=default_mode(target), window=window, graph_tokens=a.cuda_graph),
-                Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"), window=window,
-                        graph_tokens=a.cuda_graph))
+        kw = dict(window=window, graph_tokens=a.cuda_graph, spare_row=bool(a.spare_row))
+        return (Context(target, ctx_len, mode=default_mode(target), **kw),
+                Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"), **kw))
 
-    res = {"target": str(a.target), "drafter": str(a.drafter), "cuda_graph": a.cuda_graph,
+    res = {"target": str(a.target), "drafter": str(a.drafter), "cuda_graph": a.cuda_graph, "spare_row": a.spare_row,
            "onnxruntime": ort.__version__, "prompts": len(ids), "max_new_tokens": a.max_new_tokens}
 
     tctx, dctx = contexts()

@@ -58,11 +58,15 @@ class Rows:
 
 class Context:
     def __init__(self, model: Model, max_len: int | None = None, *, mode: str | None = None,
-                 window: int | None = None, poison: bool = False, graph_tokens: int | None = None):
+                 window: int | None = None, poison: bool = False, graph_tokens: int | None = None,
+                 spare_row: bool = True):
         """mode: replay | ring | window for the recurrent state (default: the target's, `default_mode`; ignored by
         pure-attention models); window: W, the deepest bounded rollback. poison: buffers start NaN, so reading
         state that was never written shows (tests). graph_tokens: forwards of up to this many tokens take the
-        fixed-address path (default: the model's cuda_graph; on CPU the path runs without capture, for tests)."""
+        fixed-address path (default: the model's cuda_graph; on CPU the path runs without capture, for tests).
+        spare_row: allocate the KV row past the context that a graph with a spare attention row writes into
+        (default); without it, forwards whose mask spans the whole buffer (the fixed-address ones) run without the
+        spare row."""
         self.model = model
         m = model.manifest
         mode = mode or default_mode(model)
@@ -89,7 +93,7 @@ class Context:
         rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
         # One row more for a graph whose attention writes a spare row past the sequence (export/blocks.py
         # _spare_row): with it, a forward that fills the context still computes its rows as one-token steps would.
-        kv_rows = self.max_len + int(bool(m.data["graphs"]["forward"].get("spare_kv_row")))
+        kv_rows = self.max_len + int(bool(spare_row and m.data["graphs"]["forward"].get("spare_kv_row")))
         self.kv = KVCache(kv_specs, kv_rows, self.device, kv_fill) if kv_specs else None
         self.recurrent = None
         if rec_specs:

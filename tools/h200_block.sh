@@ -137,7 +137,7 @@ emitted() {  # mean tokens per round by k, from the pair-a bench: the acceptance
   py -c "import json; r = json.load(open('$B/res/pair-a-$1.json'))['configs']; print(','.join(f\"{x['k']}:{x['mean_emitted_per_round']:.4f}\" for x in r if x['k'] != 'auto' and x['rollback'] == 'auto'))" \
     > $B/res/pair-a-emitted.txt
 }
-tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider; }
+tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider "$@"; }
 
 track_cpu_realscale() {  # checkpoints one after the other; each size's exports and GGUFs beside the next checkpoint
   if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
@@ -223,7 +223,14 @@ chain_bench() {
   cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/draft_chain.py \
     --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --cuda-graph 9 \
     --prompts $B/payload/pair/prompts.jsonl --limit 8 --max-new-tokens 128 --k 1,2,3,4 --reps 3 \
-    --json $B/res/pair-a-chain.json --profile $B/res/pair-a-chain-profile.txt
+    --json $B/res/pair-a-chain.json --profile $B/res/pair-a-chain-profile.txt --spare-row $(spare_choice)
+}
+spare_choice() {  # 1 unless only KV buffers without the spare row kept greedy equality with graphs (equality stage)
+  py -c "
+import json
+r = json.load(open('$B/res/pair-a-equality.json'))
+ok = {s: all(all(d is None for d in v) for v in r.get(f'graphs=9 spare_row={s}', {'x': [0]}).values()) for s in (0, 1)}
+print(0 if ok[0] and not ok[1] else 1)" 2>/dev/null || echo 1
 }
 nodes() {  # nodes NAME FOLDER...
   local name=$1; shift
@@ -236,37 +243,31 @@ quiet() {  # until the CPU track is done (or SECONDS pass): host-bound rounds mu
 }
 track_cpu_chain() {
   if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
-    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16 &
-      stage export-d08-int4 export_one qwen35-0.8b d08-int4 --quant int4 &
-      wait; rm -rf $R/ck/qwen35-0.8b; } &
+    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16; rm -rf $R/ck/qwen35-0.8b; } &
   fi
-  if stage ckpt-qwen35-4b ckpt qwen35-4b; then
-    stage export-4b-fp16 export_one qwen35-4b t4b-fp16 &
-    stage export-4b-int4 export_one qwen35-4b t4b-int4 --quant int4 &
-    wait
-    rm -rf $R/ck/qwen35-4b
-  fi
+  stage ckpt-qwen35-4b ckpt qwen35-4b && stage export-4b-fp16 export_one qwen35-4b t4b-fp16
+  rm -rf $R/ck/qwen35-4b
   wait
+}
+equality() {
+  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/greedy_equality.py \
+    --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --prompts $B/payload/pair/prompts.jsonl \
+    --limit 8 --max-new-tokens 128 --k 1,3 --json $B/res/pair-a-equality.json
+}
+emitted_chain() {  # pair-a's mean tokens per round by k, chained drafts: the acceptance the real-shape predictions use
+  py -c "import json; r = json.load(open('$B/res/pair-a-chain.json'))['configs']; print(','.join(f\"{l.split('=')[1]}:{x['mean_emitted_per_round']:.4f}\" for l, x in r.items() if l.startswith('chain k=') and not l.endswith('auto')))" \
+    > $B/res/pair-a-emitted.txt
 }
 track_gpu_chain() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > $B/res/gpu.txt
   await pair || true
-  stage nodes-pair nodes pair $B/payload/pair/drafter $B/payload/pair/target
-  if ! stage smoke smoke; then  # sessions on snapspec's stream failed: measure the rest the old way, and say so
-    export SNAPSPEC_CUDA_STREAM=own
-    log "smoke failed: the rest runs with SNAPSPEC_CUDA_STREAM=own"
-    stage smoke-own smoke
-  fi
-  stage tests tests
+  stage smoke smoke
+  stage equality equality
+  stage tests tests -k "chained or cuda_graph or device_checkpoint"
   quiet 300
   stage pair-chain chain_bench
-  stage pair-graph pair_bench graph 9 auto
-  [ -e $B/mark/pair-graph.ok ] && emitted graph
-  for dt in fp16 int4; do
-    await export-d08-$dt export-4b-$dt || continue
-    stage rs-4b-$dt-graph realscale 4b-$dt-graph t4b-$dt d08-$dt 8
-  done
-  [ -e $B/mark/export-d08-fp16.ok ] && [ -e $B/mark/export-4b-fp16.ok ] && stage nodes-real nodes real $D/d08-fp16 $D/t4b-fp16
+  [ -e $B/mark/pair-chain.ok ] && emitted_chain
+  await export-d08-fp16 export-4b-fp16 && stage rs-4b-fp16-graph realscale 4b-fp16-graph t4b-fp16 d08-fp16 8
 }
 run_cpu() {
   mkdir -p $R/ck $R/gg $D
