@@ -27,7 +27,8 @@
 # track of: a smoke check of chained drafts on pair-a, tests/test_gpu.py, then, once the CPU work is done (a quiet
 # host: these rounds are host-sensitive), benchmarks/draft_chain.py on pair-a (chained vs one-step drafts vs plain,
 # profile), the pair-a bench with CUDA graphs, benchmarks/realscale.py for 4B + 0.8B (fp16, int4) with graphs, and
-# benchmarks/graph_nodes.py (nodes per step after onnxruntime's CUDA optimizations).
+# benchmarks/graph_nodes.py (nodes per step after onnxruntime's CUDA optimizations). pair: the chain plan's pair-a
+# part alone (smoke, greedy equality, draft_chain, the pair-a bench with graphs), no CPU track.
 set -uo pipefail
 B=${BLOCK_DIR:-/tmp/blk}
 cmd=${1:?start|wait|collect}
@@ -268,6 +269,14 @@ track_gpu_chain() {
   stage pair-chain chain_bench
   [ -e $B/mark/pair-chain.ok ] && emitted_chain
   await export-d08-fp16 export-4b-fp16 && stage rs-4b-fp16-graph realscale 4b-fp16-graph t4b-fp16 d08-fp16 8
+}
+track_cpu_pair() { :; }
+track_gpu_pair() {
+  await pair || true
+  stage smoke smoke
+  stage equality equality
+  stage pair-chain chain_bench
+  stage pair-graph pair_bench graph 9 auto
 }
 run_cpu() {
   mkdir -p $R/ck $R/gg $D
