@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=Path)
     p.add_argument("--profile-k", type=int, default=3)
     p.add_argument("--spare-row", type=int, default=1, help="0: KV buffers without the spare row (Context)")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="record which prompts differ from plain greedy instead of stopping (for a diagnosis: such "
+                        "speedups are not results)")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
 
@@ -157,7 +160,7 @@ def main(argv=None) -> int:
     run.costs = {}
 
     table = {f"{m} k={k}": {"tps": [], "speedup": [], "emitted": []} for m, k in configs}
-    plain_tps, reference = [], None
+    plain_tps, reference, mismatch = [], None, {}
     for rep in range(a.reps + 1):
         pa, outs, _ = run("plain", None)
         reference = reference or outs
@@ -165,8 +168,9 @@ def main(argv=None) -> int:
         got = {}
         for mode, k in configs:
             tps, outs, st = run(mode, k)
-            for n, (o, r) in enumerate(zip(outs, reference)):
-                assert o == r, f"{mode} k={k}: prompt {n} differs from plain greedy"
+            differ = [n for n, (o, r) in enumerate(zip(outs, reference)) if o != r]
+            assert a.allow_mismatch or not differ, f"{mode} k={k}: prompts {differ} differ from plain greedy"
+            mismatch[f"{mode} k={k}"] = differ
             got[f"{mode} k={k}"] = (tps, sum(s.emitted for s in st) / max(1, sum(s.rounds for s in st)))
         pb, _, _ = run("plain", None)
         if rep == 0:
@@ -179,6 +183,7 @@ def main(argv=None) -> int:
         print(f"rep {rep}: plain {pa:.0f} / {pb:.0f} t/s; "
               + "; ".join(f"{label} {v[0] / ((pa + pb) / 2):.2f}x" for label, v in got.items()), flush=True)
     res["plain_tps"] = plain_tps
+    res["prompts_differing_from_plain"] = mismatch
     res["configs"] = {label: {"tps": v["tps"], "speedup": v["speedup"],
                               "speedup_median": float(np.median(v["speedup"])),
                               "speedup_min": float(np.min(v["speedup"])), "speedup_max": float(np.max(v["speedup"])),

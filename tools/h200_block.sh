@@ -28,7 +28,9 @@
 # host: these rounds are host-sensitive), benchmarks/draft_chain.py on pair-a (chained vs one-step drafts vs plain,
 # profile), the pair-a bench with CUDA graphs, benchmarks/realscale.py for 4B + 0.8B (fp16, int4) with graphs, and
 # benchmarks/graph_nodes.py (nodes per step after onnxruntime's CUDA optimizations). pair: the chain plan's pair-a
-# part alone (smoke, greedy equality, draft_chain, the pair-a bench with graphs), no CPU track.
+# part alone (smoke, greedy equality, draft_chain, the pair-a bench with graphs), no CPU track. pair2: the pair-a bench
+# of the previous H200 session's runtime (payload oldsrc.tar: snapspec 9107e52 laid out as installed) on the same
+# pair, then draft_chain recording prompts that differ from plain greedy instead of stopping.
 set -uo pipefail
 B=${BLOCK_DIR:-/tmp/blk}
 cmd=${1:?start|wait|collect}
@@ -224,7 +226,15 @@ chain_bench() {
   cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/draft_chain.py \
     --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --cuda-graph 9 \
     --prompts $B/payload/pair/prompts.jsonl --limit 8 --max-new-tokens 128 --k 1,2,3,4 --reps 3 \
-    --json $B/res/pair-a-chain.json --profile $B/res/pair-a-chain-profile.txt --spare-row $(spare_choice)
+    --json $B/res/pair-a-chain.json --profile $B/res/pair-a-chain-profile.txt --spare-row $(spare_choice) \
+    ${ALLOW_MISMATCH:+--allow-mismatch}
+}
+old_bench() {
+  mkdir -p $B/oldsite && tar xf $B/payload/oldsrc.tar -C $B/oldsite
+  cd $B/tmp && timeout 240 env PYTHONPATH=$B/oldsite PYTHONUNBUFFERED=1 python3 -m snapspec.tools.cli bench \
+    --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --cuda-graph 9 \
+    --prompts $B/payload/pair/prompts.jsonl --limit 8 --k 1,3 --reps 1 --max-new-tokens 128 \
+    --json $B/res/pair-a-oldruntime.json
 }
 spare_choice() {  # 1 unless only KV buffers without the spare row kept greedy equality with graphs (equality stage)
   py -c "
@@ -271,6 +281,12 @@ track_gpu_chain() {
   await export-d08-fp16 export-4b-fp16 && stage rs-4b-fp16-graph realscale 4b-fp16-graph t4b-fp16 d08-fp16 8
 }
 track_cpu_pair() { :; }
+track_cpu_pair2() { :; }
+track_gpu_pair2() {
+  await pair || true
+  stage old-bench old_bench
+  ALLOW_MISMATCH=1 stage pair-chain chain_bench
+}
 track_gpu_pair() {
   await pair || true
   stage smoke smoke
