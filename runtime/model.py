@@ -180,6 +180,12 @@ def _check_cuda_support(m: manifest.Manifest) -> None:
     exports run; their gated delta rule is computed in float32 (the CUDA kernel wants state and activations in one
     dtype, and the state is float32). Exports made before that (fp16 activations into a float32 state) are refused.
     """
+    if m.data["export"].get("embedding_dtype") == "int4":
+        # Measured on an H200 (BENCHMARKS.md, "Greedy drafts chained on the device"): pair-a exported with the int4
+        # GatherBlockQuantized embedding ran without error and produced degenerate text (acceptance 0.05-0.1
+        # instead of 0.86); the same export with an fp16 table matched its CPU results.
+        raise SnapspecError("int4-embedding exports (GatherBlockQuantized) give wrong results on onnxruntime-gpu "
+                            "1.31's CUDA provider; re-export with --embedding-dtype fp16 for CUDA")
     dtype = m.data["export"]["dtype"]
     has_attention = any(s["role"].startswith("kv") for s in m.state)
     if dtype == "float32" and has_attention:

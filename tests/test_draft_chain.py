@@ -123,3 +123,17 @@ def test_chained_speculation_equals_plain_greedy(tiny_export, target, drafter):
                       drafter_ctx=dctx)
         assert g.run() == plain, f"k={k}"
         assert calls and max(calls) == k and "checkpoint" not in g.modes_used, (k, g.modes_used)
+
+
+def test_cuda_refuses_an_int4_embedding(tiny_export):
+    """The CUDA provider's int4 embedding (GatherBlockQuantized) gave degenerate text on an H200: such an export is
+    refused on CUDA with the re-export named, before any session is made (checked without a GPU)."""
+    from snapspec.runtime.genai_folder import read_manifest
+    from snapspec.runtime.model import _check_cuda_support
+
+    m = read_manifest(tiny_export("qwen3_5_text", dtype="float16", quant="int4", block_size=16), True)
+    assert m.data["export"]["embedding_dtype"] == "int4"
+    with pytest.raises(SnapspecError, match="--embedding-dtype fp16"):
+        _check_cuda_support(m)
+    _check_cuda_support(read_manifest(tiny_export("qwen3_5_text", dtype="float16", quant="int4", block_size=16,
+                                                  embedding_dtype="fp16"), True))

@@ -105,7 +105,9 @@ ckpt() {  # initialised on the GPU (minutes -> seconds); on the CPU if that fail
 }
 export_one() {  # export_one SHAPE NAME EXTRA...
   local shape=$1 name=$2; shift 2
-  py -m snapspec.tools.cli export $R/ck/$shape -o $D/$name --dtype fp16 "$@" --force
+  # int4: an fp16 embedding table (the int4 one gives wrong results on CUDA: runtime/model.py refuses it)
+  local emb=(); [[ " $* " == *" int4 "* ]] && emb=(--embedding-dtype fp16)
+  py -m snapspec.tools.cli export $R/ck/$shape -o $D/$name --dtype fp16 "$@" "${emb[@]}" --force
 }
 gguf() {  # gguf SHAPE: F16 and Q4_0
   local extra=()

@@ -4,7 +4,8 @@
 #   tools/h200_payload.sh OUT_DIR              (PLAN=chain: the draft-chain block, without llama.cpp and f1..f4)
 # OUT_DIR/c1: the block script, src.tar (git archive HEAD, without the demo weights), the llama.cpp source (realscale
 #             plan), pair-a's tokenizer, and part 1 of the sm_90-only onnxruntime-gpu package (tools/ort_sm90.py)
-# OUT_DIR/c2: its part 2 and pair/ (pair-a exported --dtype fp16 --quant int4 by this checkout, + prompts.jsonl)
+# OUT_DIR/c2: its part 2 and pair/ (pair-a exported --dtype fp16 --quant int4 --embedding-dtype fp16 by this
+#             checkout, + prompts.jsonl; ~44 MB, so c2 is ~57 MB: the checkout beside it must stay under ~7 MB)
 # OUT_DIR/f1..f4: the whole onnxruntime-gpu package in four parts, for when the sm_90-only one fails its check
 #                 (realscale plan)
 # Needs pip (to download onnxruntime-gpu 1.31.1 for cp312 manylinux x86-64), xz, readelf and an installed snapspec.
@@ -45,7 +46,8 @@ echo $plan > $out/c1/plan
 cp $shared/models/pair-a/target/tokenizer.json $shared/models/pair-a/target/tokenizer_config.json $out/c1/tok/
 rm -rf $out/c2/pair && mkdir -p $out/c2/pair
 for m in target drafter; do
-  snapspec export $shared/models/pair-a/$m -o $out/c2/pair/$m --dtype fp16 --quant int4 --force
+  # an fp16 embedding table: the int4 one (GatherBlockQuantized) gives wrong results on CUDA (runtime/model.py)
+  snapspec export $shared/models/pair-a/$m -o $out/c2/pair/$m --dtype fp16 --quant int4 --embedding-dtype fp16 --force
 done
 cp $shared/models/pair-a/prompts.jsonl $out/c2/pair/
 du -sh $out/c1 $out/c2
