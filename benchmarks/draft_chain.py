@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ctx_len = max(max(len(i) for i in ids) + a.max_new_tokens, a.context_fill + 16) + window + 2
 
     def contexts():
-        kw = dict(window=window, graph_tokens=a.cuda_graph, spare_row=bool(a.spare_row))
+        kw = {"window": window, "graph_tokens": a.cuda_graph, "spare_row": bool(a.spare_row)}
         return (Context(target, ctx_len, mode=default_mode(target), **kw),
                 Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"), **kw))
 

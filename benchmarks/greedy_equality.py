@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         window = max(max(ks) + 1, target.manifest.rollback["window"])
         ctx_len = max(len(i) for i in ids) + a.max_new_tokens + window + 2
         for spare in (False, True):
-            def ctx(model, role):
+            def ctx(model, role, spare=spare, ctx_len=ctx_len, window=window):
                 return Context(model, ctx_len, mode=default_mode(model, role), window=window, spare_row=spare)
             tctx = ctx(target, "target")
             name = f"graphs={graphs} spare_row={int(spare)}"

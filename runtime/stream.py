@@ -47,9 +47,6 @@ class Stream:
     def _wait(self) -> None:
         pass
 
-    def _alloc_host(self, nbytes: int):
-        return _HostBlock(nbytes)
-
     # -- copies -----------------------------------------------------------------------------------------------------
     def h2d(self, dst: int, src: np.ndarray) -> None:
         """Queue dst <- src. src must come from staging() (or outlive the next sync)."""
@@ -121,12 +118,6 @@ class CudaStream(Stream):
 
     def _alloc_host(self, nbytes: int):
         return self.rt.pinned(nbytes)
-
-
-class _HostBlock:
-    def __init__(self, nbytes: int):
-        self.array = np.empty(nbytes, dtype=np.uint8)
-        self.nbytes = nbytes
 
 
 class DeviceIds:
