@@ -185,12 +185,19 @@ class Decoder:
                 free = g.op("Max", [g.op("Sub", [cap, width], "free"), g.ints("zero", 0)], "free_0")
                 n = g.op("Min", [g.ints("one", 1), free], "count")
                 last = g.op("Sub", [t, g.ints("one_b", 1)], "last")
+                # The count joins seqlens_k on the device without a host-to-device copy (a Memcpy node makes
+                # onnxruntime refuse CUDA graph capture): n selects an element of a constant [0, 1] through
+                # Slice, whose bounds are host inputs.
+                n_end = g.reshape(g.op("Add", [n, g.ints("one_c", 1)], "count_end"), [1], "count_end_1d")
+                table = g.const("count_table", np.array([0, 1], dtype=np.int32))
+                n_dev = g.op("Slice", [table, g.reshape(n, [1], "count_1d"), n_end, g.ints("axis0", [0])],
+                             "count_on_device")
                 n32 = g.op("Cast", [n], "count_i32", to=I32)
                 self._spare = _Spare(
                     start=g.reshape(last, [1], "start"),
                     end=g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end"),
                     rows=g.reshape(t, [1], "rows_1d"), axis=g.ints("axis", [1]),
-                    seqlens_k=g.op("Add", [self.seqlens_k, n32], "seqlens_k"),
+                    seqlens_k=g.op("Add", [self.seqlens_k, n_dev], "seqlens_k"),
                     total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"))
         return self._spare
 
