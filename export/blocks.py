@@ -77,6 +77,7 @@ class _Spare:
     axis: str  # [1] int64: the sequence axis
     seqlens_k: str  # [batch] int32, GroupQueryAttention's, counting the spare row
     total_len: str  # scalar int32, likewise
+    position_ids: str  # [batch, rows] int64: position_ids and, for the spare row, the last position again
 
 
 @dataclass
@@ -137,6 +138,13 @@ class Decoder:
             biases = np.concatenate([q_bias, k_bias, v_bias] + ([np.zeros(gate_w.shape[0], np.float32)]
                                                                if gate_w is not None else []))
         qkv = g.linear(x, concat(ws), "qkv_proj", bias=biases)
+        past_k = g.input(f"past_key_values.{layer}.key", g.onnx_dtype, ["batch", kv_heads, "context", hd])
+        past_v = g.input(f"past_key_values.{layer}.value", g.onnx_dtype, ["batch", kv_heads, "context", hd])
+        # The spare row (a copy of the last) joins the projection, before the per-row norms and RoPE (at the last
+        # row's position): one Slice and one Concat, where q, k and v took one each.
+        spare = self._spare_row(past_k)
+        qkv = g.op("Concat", [qkv, g.op("Slice", [qkv, spare.start, spare.end, spare.axis], "spare_qkv")],
+                   "with_spare", axis=1)
         sizes = [heads * hd, kv_heads * hd, kv_heads * hd] + ([heads * hd] if gate_w is not None else [])
         parts = g.split(qkv, sizes, axis=-1, leaf="split_qkv")
         q, k, v = parts[:3]
@@ -149,28 +157,23 @@ class Decoder:
                           [0, 0, kv_heads * hd], "k_flat")
         if rotary is not None:
             cos, sin, rdim = rotary
-            q = g.op("RotaryEmbedding", [q, self.position_ids, cos, sin], "q_rotary", domain=MS,
+            q = g.op("RotaryEmbedding", [q, spare.position_ids, cos, sin], "q_rotary", domain=MS,
                      num_heads=heads, rotary_embedding_dim=rdim, interleaved=0)
-            k = g.op("RotaryEmbedding", [k, self.position_ids, cos, sin], "k_rotary", domain=MS,
+            k = g.op("RotaryEmbedding", [k, spare.position_ids, cos, sin], "k_rotary", domain=MS,
                      num_heads=kv_heads, rotary_embedding_dim=rdim, interleaved=0)
-        past_k = g.input(f"past_key_values.{layer}.key", g.onnx_dtype, ["batch", kv_heads, "context", hd])
-        past_v = g.input(f"past_key_values.{layer}.value", g.onnx_dtype, ["batch", kv_heads, "context", hd])
         # present.* are named directly (no Identity): the runtime binds them to the past buffers.
         pk, pv = f"present.{layer}.key", f"present.{layer}.value"
-        spare = self._spare_row(past_k)
-        q, k, v = (g.op("Concat", [t, g.op("Slice", [t, spare.start, spare.end, spare.axis], f"spare_{n}")],
-                        f"with_spare_{n}", axis=1) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, spare.seqlens_k, spare.total_len],
                    "GroupQueryAttention", n_out=3, domain=MS, num_heads=heads, kv_num_heads=kv_heads,
                    **({"scale": float(scale)} if scale is not None else {}),
                    outputs=[g._unique(g._path("GroupQueryAttention") + "/output_0"), pk, pv])[0]
-        out = g.op("Slice", [out, g.ints("drop_spare/start", [0]), spare.rows, spare.axis], "drop_spare")
         for past, name, role in ((past_k, pk, "key"), (past_v, pv, "value")):
             g.output(name, name, g.onnx_dtype, ["batch", kv_heads, "context", hd])
             self.state.append(StateEntry(past, name, f"kv_{role}", layer, ["batch", kv_heads, "context", hd],
                                          self.dtype_name))
         if gate_w is not None:
             out = g.op("Mul", [out, g.op("Sigmoid", [parts[3]], "gate_sigmoid")], "gate_mul")
+        out = g.op("Slice", [out, g.ints("drop_spare/start", [0]), spare.rows, spare.axis], "drop_spare")
         return g.linear(out, o_w, "o_proj", bias=o_bias)
 
     def _spare_row(self, past_key: str) -> "_Spare":
@@ -203,12 +206,15 @@ class Decoder:
                 n_dev = g.op("Slice", [table, g.reshape(n, [1], "count_1d"), n_end, g.ints("axis0", [0])],
                              "count_on_device")
                 n32 = g.op("Cast", [n], "count_i32", to=I32)
+                start = g.reshape(last, [1], "start")
+                end = g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end")
+                axis = g.ints("axis", [1])
+                positions = g.op("Concat", [self.position_ids, g.op("Slice", [self.position_ids, start, end, axis],
+                                                                    "spare_position")], "position_ids", axis=1)
                 self._spare = _Spare(
-                    start=g.reshape(last, [1], "start"),
-                    end=g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end"),
-                    rows=g.reshape(t, [1], "rows_1d"), axis=g.ints("axis", [1]),
+                    start=start, end=end, rows=g.reshape(t, [1], "rows_1d"), axis=axis,
                     seqlens_k=g.op("Add", [self.seqlens_k, n_dev], "seqlens_k"),
-                    total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"))
+                    total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"), position_ids=positions)
         return self._spare
 
     def rotary_cache(self, rotary_dim: int, theta: float, max_positions: int) -> tuple[str, str, int]:
