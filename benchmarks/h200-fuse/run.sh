@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
 # h-fuse on the H200: CUDA node counts and drafter step costs of exports before (main) and after (h-fuse).
+# Two device calls (each under 64 MiB): .gpu/fuse-a (copied to /tmp/fz by the first) = part 0 of the sm_90-only
+# onnxruntime-gpu 1.31.1 package (tools/h200_payload.sh builds it) + src-new.tgz / src-old.tgz (git archive of h-fuse
+# and main, without tests, web and benchmark outputs); .gpu/fuse-b = part 1, pair-a's drafter exported by main (d-old)
+# and h-fuse (d-new), its target by h-fuse (t-new), all --dtype fp16 --quant int4 --embedding-dtype fp16, the tokenizer
+# (tok/) and prompts.jsonl. The 0.8B shape is generated and exported on the machine.
 set -x
 B=/tmp/fz; mkdir -p $B && cp -r .gpu/fuse-b/* $B/ && cd $B || exit 1
 mkdir -p site-new site-old && cat ort90.tar.xz.0 ort90.tar.xz.1 | xz -dc | tar x -C site-new && ln -sfn $B/site-new/onnxruntime site-old/onnxruntime
