@@ -324,7 +324,8 @@ class Decoder:
         return g.linear(o, out_w, "out_proj")
 
     def _gdn_gates(self, g: Graph, b: str, a: str, a_log, dt_bias, v_heads: int) -> tuple[str, str]:
-        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)), in float32 (see _gated_delta)."""
+        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)), computed in the export dtype and
+        returned in float32 (see _gated_delta)."""
         beta = g.op("Sigmoid", [b], "beta")
         decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
                              _softplus(g, g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add"), v_heads,
