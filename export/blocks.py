@@ -14,9 +14,17 @@ position, as in transformers): the final norm and the output projection of a 4,0
 and `next_tokens` (the ArgMax of each kept row, first maximum on ties) lets greedy decoding fetch token ids instead
 of vocabulary rows.
 
-Recurrent blocks also emit rollback data: the per-token inputs of their state transition (conv inputs, decay,
-beta; Mamba2: conv inputs and dt), which the replay graph built beside the forward graph uses to advance a saved
-state over an accepted prefix.
+Recurrent blocks also emit rollback data: the per-token inputs of their state transition, which the replay graph
+built beside the forward graph uses to advance a saved state over an accepted prefix. They are the columns of the
+input projection that feed the state (Gated DeltaNet: the conv input and the gate inputs b and a; Mamba2: the conv
+input and the raw dt), one contiguous slice per layer, and the replay recomputes the conv, the gates and the L2
+norms from them with the forward's own ops: every op here gives a row the same bits whatever the row count (the
+k-row == one-row property the runtime relies on), so the replay sees exactly what the forward saw, and a forward
+step copies one slice per layer instead of one per transition input.
+
+Kernels per step are what a small model's step costs on a GPU (one launch per node in a captured CUDA graph), so
+the blocks prefer one node over several: the L2 norms of q and k are one SimplifiedLayerNormalization, float16
+exports cast the conv output up once rather than q, k and v apiece.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ F32 = TensorProto.FLOAT
 F16 = TensorProto.FLOAT16
 I64 = TensorProto.INT64
 I32 = TensorProto.INT32
+L2NORM_EPS = 1e-6  # transformers' l2norm of q and k in the gated delta rule (Qwen3.5, Qwen3-Next)
 
 
 @dataclass
@@ -52,7 +61,7 @@ class StateEntry:
 class RollbackEntry:
     """One slice of the packed `rollback_data` output [batch, sequence, width]: columns offset..offset+width."""
 
-    kind: str  # conv_input | key | value | decay | beta | dt
+    kind: str  # conv_input | b | a (Gated DeltaNet gate inputs) | dt_raw (Mamba2, before softplus)
     layer: int
     offset: int
     width: int
@@ -68,6 +77,7 @@ class _Spare:
     axis: str  # [1] int64: the sequence axis
     seqlens_k: str  # [batch] int32, GroupQueryAttention's, counting the spare row
     total_len: str  # scalar int32, likewise
+    position_ids: str  # [batch, rows] int64: position_ids and, for the spare row, the last position again
 
 
 @dataclass
@@ -78,7 +88,7 @@ class Decoder:
     replay: Graph
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
-    _rollback_values: list[str] = field(default_factory=list)
+    _rollback_values: list[tuple[str, int, int | None]] = field(default_factory=list)  # (tensor, first, end col)
     embedding_dtype: str | None = None  # asked storage of the embedding table: float16 | float32 (None: see embed)
     embedding_storage: str | None = None  # what embed() stored: int4 | float16 | float32
 
@@ -128,6 +138,13 @@ class Decoder:
             biases = np.concatenate([q_bias, k_bias, v_bias] + ([np.zeros(gate_w.shape[0], np.float32)]
                                                                if gate_w is not None else []))
         qkv = g.linear(x, concat(ws), "qkv_proj", bias=biases)
+        past_k = g.input(f"past_key_values.{layer}.key", g.onnx_dtype, ["batch", kv_heads, "context", hd])
+        past_v = g.input(f"past_key_values.{layer}.value", g.onnx_dtype, ["batch", kv_heads, "context", hd])
+        # The spare row (a copy of the last) joins the projection, before the per-row norms and RoPE (at the last
+        # row's position): one Slice and one Concat, where q, k and v took one each.
+        spare = self._spare_row(past_k)
+        qkv = g.op("Concat", [qkv, g.op("Slice", [qkv, spare.start, spare.end, spare.axis], "spare_qkv")],
+                   "with_spare", axis=1)
         sizes = [heads * hd, kv_heads * hd, kv_heads * hd] + ([heads * hd] if gate_w is not None else [])
         parts = g.split(qkv, sizes, axis=-1, leaf="split_qkv")
         q, k, v = parts[:3]
@@ -140,28 +157,23 @@ class Decoder:
                           [0, 0, kv_heads * hd], "k_flat")
         if rotary is not None:
             cos, sin, rdim = rotary
-            q = g.op("RotaryEmbedding", [q, self.position_ids, cos, sin], "q_rotary", domain=MS,
+            q = g.op("RotaryEmbedding", [q, spare.position_ids, cos, sin], "q_rotary", domain=MS,
                      num_heads=heads, rotary_embedding_dim=rdim, interleaved=0)
-            k = g.op("RotaryEmbedding", [k, self.position_ids, cos, sin], "k_rotary", domain=MS,
+            k = g.op("RotaryEmbedding", [k, spare.position_ids, cos, sin], "k_rotary", domain=MS,
                      num_heads=kv_heads, rotary_embedding_dim=rdim, interleaved=0)
-        past_k = g.input(f"past_key_values.{layer}.key", g.onnx_dtype, ["batch", kv_heads, "context", hd])
-        past_v = g.input(f"past_key_values.{layer}.value", g.onnx_dtype, ["batch", kv_heads, "context", hd])
         # present.* are named directly (no Identity): the runtime binds them to the past buffers.
         pk, pv = f"present.{layer}.key", f"present.{layer}.value"
-        spare = self._spare_row(past_k)
-        q, k, v = (g.op("Concat", [t, g.op("Slice", [t, spare.start, spare.end, spare.axis], f"spare_{n}")],
-                        f"with_spare_{n}", axis=1) for t, n in ((q, "q"), (k, "k"), (v, "v")))
         out = g.op("GroupQueryAttention", [q, k, v, past_k, past_v, spare.seqlens_k, spare.total_len],
                    "GroupQueryAttention", n_out=3, domain=MS, num_heads=heads, kv_num_heads=kv_heads,
                    **({"scale": float(scale)} if scale is not None else {}),
                    outputs=[g._unique(g._path("GroupQueryAttention") + "/output_0"), pk, pv])[0]
-        out = g.op("Slice", [out, g.ints("drop_spare/start", [0]), spare.rows, spare.axis], "drop_spare")
         for past, name, role in ((past_k, pk, "key"), (past_v, pv, "value")):
             g.output(name, name, g.onnx_dtype, ["batch", kv_heads, "context", hd])
             self.state.append(StateEntry(past, name, f"kv_{role}", layer, ["batch", kv_heads, "context", hd],
                                          self.dtype_name))
         if gate_w is not None:
             out = g.op("Mul", [out, g.op("Sigmoid", [parts[3]], "gate_sigmoid")], "gate_mul")
+        out = g.op("Slice", [out, g.ints("drop_spare/start", [0]), spare.rows, spare.axis], "drop_spare")
         return g.linear(out, o_w, "o_proj", bias=o_bias)
 
     def _spare_row(self, past_key: str) -> "_Spare":
@@ -194,12 +206,15 @@ class Decoder:
                 n_dev = g.op("Slice", [table, g.reshape(n, [1], "count_1d"), n_end, g.ints("axis0", [0])],
                              "count_on_device")
                 n32 = g.op("Cast", [n], "count_i32", to=I32)
+                start = g.reshape(last, [1], "start")
+                end = g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end")
+                axis = g.ints("axis", [1])
+                positions = g.op("Concat", [self.position_ids, g.op("Slice", [self.position_ids, start, end, axis],
+                                                                    "spare_position")], "position_ids", axis=1)
                 self._spare = _Spare(
-                    start=g.reshape(last, [1], "start"),
-                    end=g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end"),
-                    rows=g.reshape(t, [1], "rows_1d"), axis=g.ints("axis", [1]),
+                    start=start, end=end, rows=g.reshape(t, [1], "rows_1d"), axis=axis,
                     seqlens_k=g.op("Add", [self.seqlens_k, n_dev], "seqlens_k"),
-                    total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"))
+                    total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"), position_ids=positions)
         return self._spare
 
     def rotary_cache(self, rotary_dim: int, theta: float, max_positions: int) -> tuple[str, str, int]:
@@ -220,12 +235,17 @@ class Decoder:
         self.fwd.output(present, present, self.fwd.onnx_dtype, shape)
         return past, present
 
-    def _rollback_out(self, g: Graph, value: str, layer: int, kind: str, width: int) -> str:
-        """Record a per-token transition input; `finish` packs them all into one output (one bind per call)."""
+    def _rollback_out(self, g: Graph, value: str, layer: int, parts: list[tuple[str, int]], start: int = 0,
+                      width: int | None = None) -> None:
+        """Record per-token transition inputs: `parts` (kind, width) are consecutive columns of `value` from column
+        `start`; width is value's last-axis size when the parts stop short of it. `finish` packs every layer's
+        columns into one output (one bind per call) and the replay graph splits them back by kind."""
         offset = sum(r.width for r in self.rollback)
-        self.rollback.append(RollbackEntry(kind, layer, offset, width))
-        self._rollback_values.append(value)
-        return f"rollback.{layer}.{kind}"
+        for kind, w in parts:
+            self.rollback.append(RollbackEntry(kind, layer, offset, w))
+            offset += w
+        end = start + sum(w for _, w in parts)
+        self._rollback_values.append((value, start, None if start == 0 and end == width else end))
 
     def finish(self, rows: int | None = None) -> None:
         """Pack the rollback data: forward Concat -> `rollback_data`; replay `rollback_data` -> Split -> pieces.
@@ -239,11 +259,18 @@ class Decoder:
             return
         width = sum(r.width for r in self.rollback)
         g, r = self.fwd, self.replay
-        values = self._rollback_values
-        if rows is not None:
-            with g.scope("model/rollback_data"):
-                head = [g.ints("rows/start", [0]), g.ints("rows/end", [rows]), g.ints("rows/axis", [1])]
-                values = [g.op("Slice", [v, *head], "first_rows") for v in values]
+        values = []
+        with g.scope("model/rollback_data"):
+            for v, first, end in self._rollback_values:
+                # one Slice per layer: the first `rows` positions and the layer's columns together
+                axes = ([1] if rows is not None else []) + ([2] if end is not None else [])
+                if not axes:
+                    values.append(v)
+                    continue
+                starts = ([0] if rows is not None else []) + ([first] if end is not None else [])
+                ends = ([rows] if rows is not None else []) + ([end] if end is not None else [])
+                values.append(g.op("Slice", [v, g.ints("starts", starts), g.ints("ends", ends), g.ints("axes", axes)],
+                                   "first_rows"))
         with g.scope("model/rollback_data"):
             g.concat_tree(values, "rollback_data", axis=-1)
         g.output("rollback_data", "rollback_data", g.onnx_dtype,
@@ -266,25 +293,20 @@ class Decoder:
                        k_heads: int, v_heads: int, k_dim: int, v_dim: int, kernel: int, eps: float) -> str:
         """Qwen3.5 / Qwen3-Next linear attention. qkv_w rows are [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)].
 
-        Rollback data per token: the conv input (for the conv state), and the rule's own inputs k (normalised,
-        repeated to the value heads), v, decay and beta, so the replay graph is two ops per layer.
+        The input projection's rows are stacked [q k v | b | a | z], so that the conv input and the gate inputs,
+        the layer's rollback data, are one slice of its output.
         """
         g = self.fwd
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-        proj = g.linear(x, concat([qkv_w, z_w, b_w, a_w]), "in_proj")
-        mixed, z, b, a = g.split(proj, [conv_dim, v_heads * v_dim, v_heads, v_heads], axis=-1, leaf="split_in")
+        proj = g.linear(x, concat([qkv_w, b_w, a_w, z_w]), "in_proj")
+        mixed, b, a, z = g.split(proj, [conv_dim, v_heads, v_heads, v_heads * v_dim], axis=-1, leaf="split_in")
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
         conv_out = self._causal_conv(g, mixed, g.const("conv/weight", conv_weight), past_conv, present_conv, "silu")
-
-        beta = g.op("Sigmoid", [b], "beta")
-        decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
-                             _softplus(g, g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add"), v_heads,
-                                       "Softplus")], "decay")
-        q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim, eps)
-        for value, kind, width in ((mixed, "conv_input", conv_dim), (k, "key", v_heads * k_dim),
-                                   (v, "value", v_heads * v_dim), (decay, "decay", v_heads), (beta, "beta", v_heads)):
-            self._rollback_out(g, value, layer, kind, width)
+        beta, decay = self._gdn_gates(g, b, a, a_log, dt_bias, v_heads)
+        q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim)
+        self._rollback_out(g, proj, layer, [("conv_input", conv_dim), ("b", v_heads), ("a", v_heads)],
+                           width=conv_dim + v_heads * (2 + v_dim))
 
         rec_shape = ["batch", v_heads, k_dim, v_dim]
         past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
@@ -298,57 +320,71 @@ class Decoder:
         zg = g.silu(g.reshape(z, [0, 0, v_heads, v_dim], "z_heads"), "z_silu")
         o = g.reshape(g.op("Mul", [o, zg], "gate"), [0, 0, v_heads * v_dim], "o_flat")
 
-        self._gdn_replay(layer, conv_weight, v_heads, k_dim, v_dim, kernel)
+        self._gdn_replay(layer, conv_weight, a_log, dt_bias, k_heads, v_heads, k_dim, v_dim, kernel)
         return g.linear(o, out_w, "out_proj")
 
-    def _qkv_heads(self, g: Graph, conv_out: str, k_heads: int, v_heads: int, k_dim: int, v_dim: int, eps: float):
-        """Split the conv output, L2-normalise q and k per head and repeat them to the value heads (each key head
-        serves v_heads / k_heads consecutive value heads)."""
-        q, k, v = g.split(conv_out, [k_heads * k_dim, k_heads * k_dim, v_heads * v_dim], axis=-1, leaf="split_qkv")
-        rep = v_heads // k_heads
-        qk = []
-        for name, t in (("q", q), ("k", k)):
-            t = g.reshape(t, [0, 0, k_heads, 1, k_dim], f"{name}_heads")
-            sq = g.op("ReduceSumSquare", [t, g.ints(f"{name}_axes", [-1])], f"{name}_sumsq", keepdims=1)
-            norm = g.op("Sqrt", [g.op("Add", [sq, g.const(f"{name}_eps", np.float32(eps))], f"{name}_eps_add")],
-                        f"{name}_sqrt")
-            t = g.op("Div", [t, norm], f"{name}_l2norm")
-            if rep > 1:
-                t = g.op("Expand", [t, g.ints(f"{name}_rep", [1, 1, 1, rep, 1])], f"{name}_repeat")
-            qk.append(g.reshape(t, [0, 0, v_heads * k_dim], f"{name}_flat"))
-        return qk[0], qk[1], v
+    def _gdn_gates(self, g: Graph, b: str, a: str, a_log, dt_bias, v_heads: int) -> tuple[str, str]:
+        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)), computed in the export dtype and
+        returned in float32 (see _gated_delta)."""
+        beta = g.op("Sigmoid", [b], "beta")
+        decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
+                             _softplus(g, g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add"), v_heads,
+                                       "Softplus")], "decay")
+        if g.onnx_dtype != F32:
+            beta, decay = (g.op("Cast", [t], f"{n}_f32", to=F32) for t, n in ((beta, "beta"), (decay, "decay")))
+        return beta, decay
 
-    def _gated_delta(self, g: Graph, q, k, v, decay, beta, past, present, v_heads: int, k_dim: int) -> str:
-        """The gated delta rule, always in float32: the state is float32 (fp16 state drifts over long sequences) and
-        the CUDA and WebGPU kernels want the activations in the state's dtype, so fp16 inputs are cast up and the
-        output cast back. The rollback data keeps the fp16 values, so a replay sees exactly what the forward saw."""
-        fp16 = g.onnx_dtype != F32
-        if fp16:
-            up: dict[str, str] = {}
-            for t, n in ((q, "q"), (k, "k"), (v, "v"), (decay, "decay"), (beta, "beta")):
-                if t not in up:  # the replay passes k as q: one Cast
-                    up[t] = g.op("Cast", [t], f"{n}_f32", to=F32)
-            q, k, v, decay, beta = (up[t] for t in (q, k, v, decay, beta))
+    def _qkv_heads(self, g: Graph, conv_out: str, k_heads: int, v_heads: int, k_dim: int, v_dim: int):
+        """q, k, v in float32 from the conv output: q and k L2-normalised per head and repeated to the value heads
+        (each key head serves v_heads / k_heads consecutive value heads).
+
+        transformers' l2norm is x * rsqrt(sum(x^2) + 1e-6) (a fixed eps, whatever the config's rms_norm_eps);
+        SimplifiedLayerNormalization computes x * rsqrt(sum(x^2) / d + e) * w, the same with e = 1e-6 / d and
+        w = 1 / sqrt(d): one node for both norms (q and k heads side by side), where ReduceSumSquare, Add, Sqrt and
+        Div were four apiece. float16 exports cast the conv output once, so the norms run in float32 too."""
+        if g.onnx_dtype != F32:
+            conv_out = g.op("Cast", [conv_out], "conv_f32", to=F32)
+        qk, v = g.split(conv_out, [2 * k_heads * k_dim, v_heads * v_dim], axis=-1, leaf="split_qkv")
+        rep = v_heads // k_heads
+        t = g.reshape(qk, [0, 0, 2, k_heads, 1, k_dim], "qk_heads")
+        t = g.op("SimplifiedLayerNormalization",
+                 [t, g.const("qk_l2norm/weight", np.full(k_dim, k_dim ** -0.5, np.float32), keep_dtype=True)],
+                 "qk_l2norm", axis=-1, epsilon=L2NORM_EPS / k_dim, stash_type=1)
+        if rep > 1:
+            t = g.op("Expand", [t, g.ints("qk_rep", [1, 1, 1, 1, rep, 1])], "qk_repeat")
+        q, k = g.split(t, [1, 1], axis=2, leaf="split_qk")
+        return g.reshape(q, [0, 0, v_heads * k_dim], "q_flat"), g.reshape(k, [0, 0, v_heads * k_dim], "k_flat"), v
+
+    def _gated_delta(self, g: Graph, q, k, v, decay, beta, past, present, v_heads: int, k_dim: int,
+                     keep_output: bool = True) -> str | None:
+        """The gated delta rule on float32 inputs, always: the state is float32 (fp16 state drifts over long
+        sequences) and the CUDA and WebGPU kernels want the activations in the state's dtype. A float16 export
+        casts its output back; keep_output False (the replay): only the state is kept."""
         out, _ = g.op("LinearAttention", [q, k, v, past, decay, beta], "LinearAttention", n_out=2, domain=MS,
                       outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
                       q_num_heads=v_heads, kv_num_heads=v_heads, update_rule="gated_delta",
                       scale=float(k_dim ** -0.5))
-        return g.op("Cast", [out], "out_f16", to=g.onnx_dtype) if fp16 else out
+        if not keep_output:
+            return None
+        return g.op("Cast", [out], "out_f16", to=g.onnx_dtype) if g.onnx_dtype != F32 else out
 
-    def _gdn_replay(self, layer, conv_weight, v_heads, k_dim, v_dim, kernel):
-        """Advance conv and recurrent state over the first j tokens of the rollback data (q := k: the output of the
-        rule is discarded, only its state is kept)."""
+    def _gdn_replay(self, layer, conv_weight, a_log, dt_bias, k_heads, v_heads, k_dim, v_dim, kernel):
+        """Advance conv and recurrent state over the first j tokens of the rollback data: the conv, gates and norms
+        recomputed from the saved conv and gate inputs, then the rule with q := k (its output is discarded, only
+        its state is kept)."""
         r = self.replay
         conv_dim = conv_weight.shape[0]
         rb = f"rollback.{layer}."
         with r.scope(f"model/layers.{layer}/linear_attn"):
-            self._causal_conv(r, rb + "conv_input", r.const("conv/weight", conv_weight), f"past_conv_state.{layer}",
-                              f"present_conv_state.{layer}", "none")
+            conv_out = self._causal_conv(r, rb + "conv_input", r.const("conv/weight", conv_weight),
+                                         f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu")
             r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
                      ["batch", kernel - 1, conv_dim])
+            beta, decay = self._gdn_gates(r, rb + "b", rb + "a", a_log, dt_bias, v_heads)
+            _, k, v = self._qkv_heads(r, conv_out, k_heads, v_heads, k_dim, v_dim)
             past_rec = r.input(f"past_recurrent_state.{layer}", F32, ["batch", v_heads, k_dim, v_dim])
-            self._gated_delta(r, rb + "key", rb + "key", rb + "value", rb + "decay", rb + "beta", past_rec,
-                              f"present_recurrent_state.{layer}", v_heads, k_dim)
+            self._gated_delta(r, k, k, v, decay, beta, past_rec, f"present_recurrent_state.{layer}", v_heads, k_dim,
+                              keep_output=False)
             r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32,
                      ["batch", v_heads, k_dim, v_dim])
 
@@ -364,7 +400,7 @@ class Decoder:
         past, present = self._conv_state(layer, hidden, kernel)
         conv_out = self._causal_conv(g, bx, g.const("conv/weight", conv_weight), past, present, "none",
                                      bias=g.const("conv/bias", conv_b) if conv_b is not None else "")
-        self._rollback_out(g, bx, layer, "conv_input", hidden)
+        self._rollback_out(g, bx, layer, [("conv_input", hidden)], width=hidden)
         r = self.replay
         with r.scope(f"model/layers.{layer}/conv"):
             rin = [f"rollback.{layer}.conv_input", r.const("conv/weight", conv_weight),
@@ -405,13 +441,10 @@ class Decoder:
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
         conv_out = self._causal_conv(g, xbc, g.const("conv1d/weight", conv_weight), past_conv, present_conv, "silu",
                                      bias=g.const("conv1d/bias", conv_b) if conv_b is not None else "")
-        dt = _softplus(g, g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add"), heads, "dt_softplus")
-        lo, hi = dt_limit
-        if lo > 0.0 or hi != float("inf"):
-            dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
-                               g.const("dt_max", np.float32(hi)) if hi != float("inf") else ""], "dt_clip")
-        self._rollback_out(g, xbc, layer, "conv_input", conv_dim)
-        self._rollback_out(g, dt, layer, "dt", heads)
+        dt = _mamba_dt(g, dt_raw, dt_bias, heads, dt_limit)
+        # [x B C | dt] are the projection's last columns: one slice, the replay recomputes dt
+        self._rollback_out(g, proj, layer, [("conv_input", conv_dim), ("dt_raw", heads)], start=inner,
+                           width=inner + conv_dim + heads)
 
         rec_shape = ["batch", heads, d_state, head_dim]
         past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
@@ -429,7 +462,8 @@ class Decoder:
         else:
             y = self._group_rms_norm(g, g.op("Mul", [y, gate], "gate"), norm_w, groups, eps)
 
-        self._mamba2_replay(layer, conv_weight, conv_b, a, heads, head_dim, groups, d_state, kernel)
+        self._mamba2_replay(layer, conv_weight, conv_b, a, dt_bias, dt_limit, heads, head_dim, groups, d_state,
+                            kernel)
         return g.linear(y, out_w, "out_proj", bias=out_b)
 
     def _ssd(self, g: Graph, conv_out: str, dt: str, a: np.ndarray, past: str, present: str, heads: int,
@@ -438,10 +472,9 @@ class Decoder:
         the gated delta rule is. With the skip weights d: y + D x in the export dtype. Without (the replay): q := k
         and None, only the state is kept."""
         inner, gn = heads * head_dim, groups * d_state
+        if g.onnx_dtype != F32:  # one Cast of the conv output, not one each of x, B and C
+            conv_out, dt = (g.op("Cast", [t], f"{n}_f32", to=F32) for t, n in ((conv_out, "conv"), (dt, "dt")))
         xs, b, c = g.split(conv_out, [inner, gn, gn], axis=-1, leaf="split_xbc")
-        if g.onnx_dtype != F32:
-            xs, b, c, dt = (g.op("Cast", [t], f"{n}_f32", to=F32) for t, n in ((xs, "x"), (b, "B"), (c, "C"),
-                                                                                 (dt, "dt")))
         x_heads = g.reshape(xs, [0, 0, heads, head_dim], "x_heads")
         v = g.reshape(g.op("Mul", [x_heads, g.op("Unsqueeze", [dt, g.ints("dt_axis", [-1])], "dt_unsqueeze")],
                            "dt_x"), [0, 0, inner], "v_flat")
@@ -474,9 +507,11 @@ class Decoder:
         scaled = g.op("Mul", [normed, g.const("norm/gamma", gamma.reshape(groups, width))], "norm/scale")
         return g.reshape(scaled, [0, 0, groups * width], "norm/flat")
 
-    def _mamba2_replay(self, layer, conv_weight, conv_b, a, heads, head_dim, groups, d_state, kernel):
+    def _mamba2_replay(self, layer, conv_weight, conv_b, a, dt_bias, dt_limit, heads, head_dim, groups, d_state,
+                       kernel):
         """Advance conv and recurrent state over the first j tokens of the rollback data: the conv over the saved
-        conv inputs (its output feeds the scan), then the scan with q := k, keeping only its state."""
+        conv inputs (its output feeds the scan) and dt from the saved raw dt, then the scan with q := k, keeping only
+        its state."""
         r = self.replay
         conv_dim = conv_weight.shape[0]
         rb = f"rollback.{layer}."
@@ -488,7 +523,8 @@ class Decoder:
                      ["batch", kernel - 1, conv_dim])
             rec_shape = ["batch", heads, d_state, head_dim]
             past_rec = r.input(f"past_recurrent_state.{layer}", F32, rec_shape)
-            self._ssd(r, conv_out, rb + "dt", a, past_rec, f"present_recurrent_state.{layer}", heads, head_dim,
+            dt = _mamba_dt(r, rb + "dt_raw", dt_bias, heads, dt_limit)
+            self._ssd(r, conv_out, dt, a, past_rec, f"present_recurrent_state.{layer}", heads, head_dim,
                       groups, d_state)
             r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32, rec_shape)
 
@@ -661,6 +697,16 @@ def _softplus(g: Graph, x: str, width: int, leaf: str) -> str:
     padded = g.op("Pad", [x, g.ints(f"{leaf}/pads", [0, 0, 0, 0, 0, pad])], f"{leaf}/pad")
     return g.op("Slice", [g.op("Softplus", [padded], leaf), g.ints(f"{leaf}/start", [0]), g.ints(f"{leaf}/end", [width]),
                           g.ints(f"{leaf}/axis", [2])], f"{leaf}/unpad")
+
+
+def _mamba_dt(g: Graph, dt_raw: str, dt_bias, heads: int, dt_limit: tuple[float, float]) -> str:
+    """Mamba2's time step: softplus(dt_raw + dt_bias), clipped to dt_limit when it is not (0, inf)."""
+    dt = _softplus(g, g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add"), heads, "dt_softplus")
+    lo, hi = dt_limit
+    if lo > 0.0 or hi != float("inf"):
+        dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
+                           g.const("dt_max", np.float32(hi)) if hi != float("inf") else ""], "dt_clip")
+    return dt
 
 
 def _same_tensor(a, b) -> bool:

@@ -1,7 +1,7 @@
 """Recurrent state in two slots plus the last forward's rollback data, for the target.
 
-The forward also returns, per token, the inputs of the state transition (conv inputs, decay, beta), packed as
-rollback_data [1, T, width]. Returning to a position inside the last forward runs the replay graph over the accepted
+The forward also returns, per token, the inputs of the state transition (the input projection's conv and gate
+columns), packed as rollback_data [1, T, width]. Returning to a position inside the last forward runs the replay graph over the accepted
 prefix of that data, from the saved start state: no weights of the big model touched. A position a slot holds (the
 start of the last forward, or its end) is a pick, as in a ring.
 """
