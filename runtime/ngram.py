@@ -154,6 +154,10 @@ class NgramDrafter(Drafter):
             self._draft = (n, draft)
             return len(draft)
 
+    def has_draft(self, seq: list[int]) -> bool:
+        self._sync(seq)
+        return self.index.match()[0] > 0
+
     def propose(self, seq: list[int], k: int, *, checkpoint: bool = False) -> Draft:
         n = len(seq)
         if self._draft is None or self._draft[0] != n or len(self._draft[1]) < k:
