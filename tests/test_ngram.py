@@ -289,8 +289,30 @@ def test_lookup_chooser():
     costs = Costs(C=[1.0, 1.05, 1.09, 1.12, 1.15, 1.2, 1.25, 1.3, 1.36], c=0.001, r=0.05)
     ch = LookupChooser(8, costs)
     a = ch.acceptance
-    assert ch.scores()[0] == 1.0
-    assert np.allclose(ch.scores()[1:], [expected_emitted(a, k) / (costs.C[k] + k * 0.001 + 0.05) for k in range(1, 9)])
+    assert ch.scores()[0] == 1.0 and ch.hit_rate == 0.5
+    assert np.allclose(ch.scores()[1:], [(0.5 * expected_emitted(a, k) + 0.5) / (0.5 * (costs.C[k] + k * 0.001 + 0.05)
+                                                                                 + 0.5) for k in range(1, 9)])
+    for _ in range(30):
+        ch.looked(True)
+    assert ch.hit_rate > 0.9 and np.allclose(ch.scores()[1:], [
+        (ch.hit_rate * expected_emitted(a, k) + 1 - ch.hit_rate) /
+        (ch.hit_rate * (costs.C[k] + k * 0.001 + 0.05) + 1 - ch.hit_rate) for k in range(1, 9)])
+
+    # Rare hits: the plain steps between rounds dilute them, and the draft with the largest gain wins over the best
+    # ratio: a longer one. Whether drafting pays at all does not depend on the hit rate.
+    steep = Costs(C=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1, 3.4], c=0.0, r=0.1)
+    for accepted, rejected in ((3.0, 2.0), (8.0, 2.0), (0.5, 5.0)):
+        chosen = []
+        for found in (True, False):
+            c = LookupChooser(8, steep)
+            c.accepted, c.rejected = accepted, rejected
+            for _ in range(60):
+                c.looked(found)
+            chosen.append(c.choose())
+        often, rarely = chosen
+        assert rarely >= often and (rarely == 0) == (often == 0), (accepted, rejected, chosen)
+    assert chosen == [0, 0]  # acceptance 0.09: nothing pays
+    ch = LookupChooser(8, costs)
 
     def wrong_until_plain(rounds):
         ks = []
@@ -300,7 +322,7 @@ def test_lookup_chooser():
         return ks
 
     ks = wrong_until_plain(30)  # a wasted k = 1 round costs C(2) + r - 1 = 0.1 here: stop below acceptance 0.1
-    assert ks[0] == 4 and ks[-1] == 0 and ks.index(0) < 20, ks
+    assert ks[0] == 5 and ks[-1] == 0 and ks.index(0) < 20, ks  # k = 4 by the ratio alone; hit rate 0.5: 5
     for _ in range(40):
         k = ch.choose()
         ch.update(k, k) if k else ch.observe(True)  # lookups that were not drafted would have been right
@@ -400,6 +422,36 @@ def test_lookups_that_miss_among_hits_cost_one_step_each(model, draft_max):
     if draft_max == "auto":
         assert [e for e in events if e[0] == "calibrate"] == [("calibrate",)] and g.costs is not None
         assert len(g.costs.C) == 9 and g.costs.c < 0.05
+
+
+def test_adaptive_k_stops_drafting_when_found_drafts_are_wrong(model):
+    """Lookups that always find a draft, and a draft that is always wrong (one token off what the target decodes):
+    with a fixed cost model (pair-a-like, so the choices do not depend on timing) adaptive k pays a few short wasted
+    rounds, then takes plain steps, checking each lookup's first token for free, to the end. Counted in target
+    forwards and rows fed, not time."""
+    from snapspec.runtime.adaptive import Costs
+    t = model("qwen3_5_text")
+    prompt = t.encode(COPY)
+    plain = Generator(t, prompt, max_new_tokens=60, stop_at_eos=False).run()
+
+    class WrongDrafter(NgramDrafter):
+        def available(self, seq, k):
+            self.index.lookup = lambda k: [(plain[len(seq) - len(prompt)] + 1) % t.vocab_size] * k
+            return super().available(seq, k)
+
+    costs = Costs(C=[1.0, 1.15, 1.26, 1.32, 1.49, 1.67, 1.9, 2.0, 2.1], c=1e-4, r=0.05)
+    events: list = []
+    drafter = WrongDrafter(t.vocab_size)
+    g = Generator(t, prompt, drafter=drafter, max_new_tokens=60, draft_max="auto", stop_at_eos=False, costs=costs)
+    forward = g.tctx.forward
+    g.tctx.forward = lambda tokens, keep=None, logits=True: events.append(len(tokens)) or forward(tokens, keep, logits)
+    assert g.run() == plain
+    s = g.stats
+    assert s.accepted == 0 and 0 < s.rounds <= 10 and s.lookups == s.rounds, (s.rounds, s.lookups)
+    rows = events[1:]  # after the prefill: one forward per round or plain step
+    assert len(rows) == s.rounds + (len(plain) - 1 - s.rounds) and sum(rows) - len(rows) == s.drafted
+    assert all(n > 1 for n in rows[:s.rounds]) and rows[s.rounds:] == [1] * (len(rows) - s.rounds)  # then off
+    assert s.drafted <= 20
 
 
 # -- the command line ------------------------------------------------------------------------------------------------
