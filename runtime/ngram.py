@@ -23,14 +23,15 @@ nothing, the chooser still looks up and checks the lookup's first token against 
 (free), so it notices when lookups start to match again.
 
 A lookup that finds nothing is a plain one-token step whatever k was chosen, and nothing more. The chooser keeps a
-running hit rate h (decayed per lookup) and maximises the speedup over all steps, (h*E(k) + 1 - h) /
-(h*(C(k+1) + k*c + r) + 1 - h), the bench's predicted speedup: whether drafting pays at all (some k with E(k) above
-its round's cost) does not depend on h, but when hits are rare the plain steps dilute every round, so the k with the
-largest gain E(k) - cost wins over the best ratio, a somewhat longer draft. (Replaying pair-a's greedy outputs
-through this rule and the per-round ratio alone: within 1% of each other in predicted speed.) Nor does a miss pay for the cost model: the Generator times it (forwards of up to W + 1 tokens) at the
-first step whose lookup would find a draft (`has_draft`), so a generation whose lookups all miss is plain decoding,
-forward for forward. What a low hit rate with wrong drafts costs is the rounds it takes the acceptance estimate to
-fall from its prior (0.6) to where no k pays: about 8 short rounds (k = 3 down to 1) with pair-a's costs.
+running hit rate h (decayed per lookup) and maximises the speedup over all steps, (h*E(k) + 1 - h) / (h*(C(k+1) +
+k*c + r) + 1 - h), the bench's predicted speedup: whether drafting pays at all (some k with E(k) above its round's
+cost) does not depend on h, but when hits are rare the plain steps dilute every round, so the k with the largest
+gain E(k) - cost wins over the best ratio, a somewhat longer draft. (Replaying pair-a's greedy outputs through this
+rule and the per-round ratio alone: within 1% of each other in predicted speed.) Nor does a miss pay for the cost
+model: the Generator times it (forwards of up to W + 1 tokens) at the first step whose lookup would find a draft
+(`has_draft`), so a generation whose lookups all miss is plain decoding, forward for forward. What a low hit rate
+with wrong drafts costs is the rounds it takes the acceptance estimate to fall from its prior (0.6) to where no k
+pays: about 8 short rounds (k = 3 down to 1) with pair-a's costs.
 """
 
 from __future__ import annotations
