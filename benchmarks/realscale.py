@@ -9,7 +9,9 @@ and memory, not in acceptance: the predicted speedup is computed at pair-a's mea
 prefill = one `--prompt-len` prompt (prompt tokens / s; chunked as the runtime chunks it), decode = `--decode`
 greedy one-token steps from an empty context (tokens / s); each the median of `--reps` runs after a warm-up run.
 Then, on a context holding `--context-fill` tokens, C(n) for n = 1..k_max+1, the drafter step c and the rollback r
-(runtime.adaptive.measure_costs, in round order). Peak GPU memory is the device's used memory sampled every 50 ms
+(runtime.adaptive.measure_costs, in round order; with CUDA graphs the drafter's steps are timed as chained drafts
+and, for comparison, one step at a time read back: `costs_one_step`; `step_costs` adds the chained drafts of
+k = 1..8 and their marginal step, benchmarks/draft_chain.py). Peak GPU memory is the device's used memory sampled every 50 ms
 through NVML, minus what was used before the models loaded.
 """
 
@@ -149,7 +151,16 @@ def main(argv=None) -> int:
         dctx.prefill(fill, logits=False)
         n_max = min(a.k_max, tctx.depth) + 1
         costs = measure_costs(tctx, dctx, n_max, reps=9, tokens=ids[a.context_fill:a.context_fill + n_max])
-        res["costs"] = {"C": costs.C, "c": costs.c, "r": costs.r, "target_step_ms": 1e3 * costs.step_seconds}
+        res["costs"] = {"C": costs.C, "c": costs.c, "r": costs.r, "target_step_ms": 1e3 * costs.step_seconds,
+                        "chained": dctx.chains}
+        if dctx.chains:
+            from draft_chain import step_costs  # beside this file
+            one = measure_costs(tctx, dctx, n_max, reps=9, tokens=ids[a.context_fill:a.context_fill + n_max],
+                                chained=False)
+            res["costs_one_step"] = {"C": one.C, "c": one.c, "r": one.r, "target_step_ms": 1e3 * one.step_seconds}
+            res["step_costs"] = step_costs(tctx, dctx, ids[a.context_fill:a.context_fill + 1], 20)
+            print(f"drafter c one step at a time {one.c:.3f}; chained marginal "
+                  f"{res['step_costs']['c']['chain_marginal']:.3f}", flush=True)
         emitted = parse_emitted(a.emitted)
         res["predicted"] = {str(k): m / (costs.C[k] + k * costs.c + costs.r)
                             for k, m in emitted.items() if k < len(costs.C)}

@@ -167,17 +167,22 @@ def prepare(a, name: str, variant: str) -> tuple[Path, Path]:
     ckpt = a.ckpts / name
     folder = a.work / f"{name}-{variant}"
     if not folder.is_dir():
-        quant = ["--quant", "int4"] if variant == "int4" else []
+        # fp32 | int4 | int4-b64 | int4-b128 (a larger int4 block: smaller and faster, k-row != 1-row results)
+        quant = (["--quant", "int4"] + (["--block-size", variant.split("-b")[1]] if "-b" in variant else [])
+                 if variant.startswith("int4") else [])
         subprocess.run([sys.executable, "-m", "snapspec.tools.cli", "export", str(ckpt), "-o", str(folder), *quant],
                        check=True)
     f32 = a.work / f"{name}-f32.gguf"
     gguf = f32 if variant == "fp32" else a.work / f"{name}-q4_0.gguf"
-    if not f32.exists() and not gguf.exists():
-        subprocess.run([str(a.llama / "convert.sh"), str(ckpt), str(f32), "f32"], check=True,
-                       env={**os.environ, "PYTHON": sys.executable})
     if not gguf.exists():
-        subprocess.run([str(a.llama / "bin" / "llama-quantize"), str(f32), str(gguf), "Q4_0"], check=True,
-                       capture_output=True)
+        # Q4_0 alone is quantized from a bf16 file (lossless for bf16 checkpoints, half the disk of f32)
+        source = f32 if variant == "fp32" or f32.exists() else a.work / f"{name}-bf16.gguf"
+        if not source.exists():
+            subprocess.run([str(a.llama / "convert.sh"), str(ckpt), str(source), "f32" if source == f32 else "bf16"],
+                           check=True, env={**os.environ, "PYTHON": sys.executable})
+        if gguf != source:
+            subprocess.run([str(a.llama / "bin" / "llama-quantize"), str(source), str(gguf), "Q4_0"], check=True,
+                           capture_output=True)
     return folder, gguf
 
 
@@ -218,7 +223,7 @@ def emitted_per_round(path: Path | None) -> dict[int, float]:
         return {}
     data = json.loads(path.read_text())
     return {int(c["k"]): float(c["mean_emitted_per_round"]) for c in data["configs"]
-            if c.get("k") and c.get("rollback", "auto") == "auto" and c.get("mean_emitted_per_round")}
+            if isinstance(c.get("k"), int) and c.get("rollback", "auto") == "auto" and c.get("mean_emitted_per_round")}
 
 
 def provenance(a) -> dict:
@@ -271,7 +276,7 @@ def main(argv=None) -> int:
     a.work.mkdir(parents=True, exist_ok=True)
     a.prompts = [int(x) for x in a.prompts.split(",")]
     res = {"provenance": provenance(a), "models": {}}
-    for name in a.models.split(","):
+    for name in filter(None, a.models.split(",")):  # --models "": the speculation cost model alone
         for variant in a.variants.split(","):
             folder, gguf = prepare(a, name, variant)
             entry = {"folder": str(folder), "folder_bytes": folder_bytes(folder), "gguf": str(gguf),
@@ -280,7 +285,7 @@ def main(argv=None) -> int:
             print(f"{folder.name}: folder {entry['folder_bytes'] / 2**20:.0f} MiB, {gguf.name} "
                   f"{entry['gguf_bytes'] / 2**20:.0f} MiB ({entry['size_ratio']:.2f}x)", flush=True)
             entry.update(compare(a, folder, gguf))
-            if a.sampling and variant == "int4":
+            if a.sampling and variant.startswith("int4"):
                 runs = run_child(["--folder", str(folder), "--threads", str(a.threads), "--mode", "sampling",
                                   "--tokens", str(a.decode)])["runs"]
                 greedy = [r["decode_tokens_per_s"] for r in runs if r["greedy"]]

@@ -33,6 +33,7 @@ from .lazy import Deferred, combine, concat, is_lazy
 from .quant import quantize_int4, quantize_int4_stacked
 
 F32 = TensorProto.FLOAT
+F16 = TensorProto.FLOAT16
 I64 = TensorProto.INT64
 I32 = TensorProto.INT32
 
@@ -185,12 +186,19 @@ class Decoder:
                 free = g.op("Max", [g.op("Sub", [cap, width], "free"), g.ints("zero", 0)], "free_0")
                 n = g.op("Min", [g.ints("one", 1), free], "count")
                 last = g.op("Sub", [t, g.ints("one_b", 1)], "last")
+                # The count joins seqlens_k on the device without a host-to-device copy (a Memcpy node makes
+                # onnxruntime refuse CUDA graph capture): n selects an element of a constant [0, 1] through
+                # Slice, whose bounds are host inputs.
+                n_end = g.reshape(g.op("Add", [n, g.ints("one_c", 1)], "count_end"), [1], "count_end_1d")
+                table = g.const("count_table", np.array([0, 1], dtype=np.int32))
+                n_dev = g.op("Slice", [table, g.reshape(n, [1], "count_1d"), n_end, g.ints("axis0", [0])],
+                             "count_on_device")
                 n32 = g.op("Cast", [n], "count_i32", to=I32)
                 self._spare = _Spare(
                     start=g.reshape(last, [1], "start"),
                     end=g.reshape(g.op("Add", [last, n], "end_scalar"), [1], "end"),
                     rows=g.reshape(t, [1], "rows_1d"), axis=g.ints("axis", [1]),
-                    seqlens_k=g.op("Add", [self.seqlens_k, n32], "seqlens_k"),
+                    seqlens_k=g.op("Add", [self.seqlens_k, n_dev], "seqlens_k"),
                     total_len=g.op("Add", [self.total_len, n32], "total_sequence_length"))
         return self._spare
 
@@ -540,7 +548,7 @@ class Decoder:
         Otherwise a table stored in another dtype than the graph's (float16 under int4: exact for bf16 checkpoints'
         values in float16 range; or `embedding_dtype`) is gathered, then the rows are cast."""
         g = self.fwd
-        self._embed_q4 = None
+        self._embed_q4 = self._embed_dense = None
         n, k = table.shape
         with g.scope("model/embed_tokens"):
             if self.embedding_dtype is None and g.quantizes(k):
@@ -560,11 +568,14 @@ class Decoder:
             stored = np.dtype(np.float16 if self.embedding_dtype == "float16" else np.float32) \
                 if self.embedding_dtype else np.dtype(np.float16) if g.quant == "int4" else g.np_dtype
             self.embedding_storage = str(stored)
+            self._embed_dense = None
             if stored != g.np_dtype:
                 rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
                 return g.op("Cast", [rows], "Cast", to=g.onnx_dtype)
-            return g.op("Gather", [g.const("weight", table), self.input_ids], "Gather")
+            name = g.const("weight", table)
+            self._embed_dense = (table, name)
+            return g.op("Gather", [name, self.input_ids], "Gather")
 
     def final_norm(self, y: str, h: str, gamma: np.ndarray, eps: float) -> str:
         """rms_norm(y + h) over the last `logits_to_keep` positions: nothing after it needs the other rows."""
@@ -586,7 +597,7 @@ class Decoder:
         """`logits` [batch, kept, vocab] float32 and `next_tokens` [batch, kept] int64, their argmax."""
         g = self.fwd
         with g.scope("lm_head"):
-            y = self._tied_int4(x, lm_head) or g.linear(x, lm_head, "proj")
+            y = self._tied_int4(x, lm_head) or self._tied_dense(x, lm_head) or g.linear(x, lm_head, "proj")
             if g.onnx_dtype != F32:
                 y = g.op("Cast", [y], "Cast", to=F32)
             best = g.op("ArgMax", [y], "ArgMax", axis=-1, keepdims=0, select_last_index=0)
@@ -602,6 +613,28 @@ class Decoder:
         g = self.fwd
         with g.scope("proj"):
             return g.matmul_nbits(x, data, g.const("scales", scales), g.const("zero_points", zeros), *lm_head.shape)
+
+    def _tied_dense(self, x: str, lm_head) -> str | None:
+        """The output projection on the embedding table itself when both are one unquantized float16 tensor: Gemm
+        with transB reads the (vocab, hidden) table as stored, so it is written once, and a GPU holds it once (the
+        4B shape's table is 1.2 GB in float16). Gemm takes 2-D inputs: the rows are flattened and put back.
+
+        Not in float32 exports, which run on CPU: onnxruntime's CPU Gemm and MatMul pack their weight at load, and
+        a table the embedding's Gather also reads stays mapped beside the packed copy, its pages resident once
+        packing has read them (+1 GB resident for the 0.8B shape, +480 MB at the peak of a 4,096-token prefill,
+        measured). A transposed copy is packed and released instead, and the Gather touches only the rows it
+        reads: one more table on disk, not in memory."""
+        dense = getattr(self, "_embed_dense", None)
+        g = self.fwd
+        if (dense is None or g.onnx_dtype != F16 or g.quantizes(lm_head.shape[1])
+                or not _same_tensor(dense[0], lm_head)):
+            return None
+        n, k = lm_head.shape
+        with g.scope("proj"):
+            y = g.op("Gemm", [g.reshape(x, [-1, k], "flatten"), dense[1]], "Gemm", transB=1)
+            lead = g.op("Shape", [x], "Shape", start=0, end=2)  # [batch, kept]
+            shape = g.op("Concat", [lead, g.ints("vocab", [n])], "shape", axis=0)
+            return g.op("Reshape", [y, shape], "unflatten")
 
     def table(self) -> dict:
         packed = None

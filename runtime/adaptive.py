@@ -62,14 +62,16 @@ class DraftLengthChooser:
         self.rejected = self.rejected * self.decay + (1 if j < k else 0)
 
 
-def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
+def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None, chained: bool | None = None) -> Costs:
     """Time target forwards of n = 1..n_max tokens, drafter steps and a rollback on the live contexts, in the
     order a round runs them: each target forward is followed by two drafter steps, so both are timed with the
     caches and thread pools as a round leaves them (timed apart, in warm loops, the drafter looked 25% cheaper
     than it is inside rounds). Sizes are interleaved within each repetition, so a slow spell of a shared machine
     spreads over all of them. Every measurement rolls back: the contexts end where they started.
-    With dctx None (a drafter without a model: n-gram lookup) only the target is timed and c = 0.
+    With dctx None (a drafter without a model: n-gram lookup) only the target is timed and c = 0. chained: time
+    the drafter's steps as a chained greedy draft (Context.draft; default: when the context can chain).
     """
+    chained = dctx is not None and (dctx.chains if chained is None else chained)
     tokens = list(tokens or [1] * n_max)
     target_times = [[] for _ in range(n_max)]
     drafter_times, rollback_times = [], []
@@ -79,8 +81,11 @@ def measure_costs(tctx, dctx, n_max: int, reps: int = 5, tokens=None) -> Costs:
             tctx.forward(tokens[:n], keep=n, logits=False)  # a greedy verify: n rows of ids
             t1 = time.perf_counter()
             if dctx is not None:
-                dctx.forward(tokens[:1], keep=1, logits=False)
-                dctx.forward(tokens[:1], keep=1, logits=False)
+                if chained:  # two steps as a round drafts them: chained on the device, read once
+                    dctx.draft(tokens[:1], 2).read()
+                else:
+                    dctx.forward(tokens[:1], keep=1, logits=False)
+                    dctx.forward(tokens[:1], keep=1, logits=False)
             t3 = time.perf_counter()
             keep = 1 if n > 1 else 0  # a partial acceptance: both contexts roll back
             tctx.rollback(tctx.n_past - (n - keep))

@@ -11,7 +11,10 @@ On a model loaded with `cuda_graph=N`, forwards of up to N tokens take the fixed
 (captured once per token count, kept rows and state binding, then replayed); the others run as usual with
 gpu_graph_id -1, and their device outputs (rollback data) go to buffers this context owns: an output onnxruntime
 allocated from the session's arena could sit where a captured graph keeps its intermediates, and a replay would
-overwrite it.
+overwrite it. Fixed-address forwards are queued on the device's stream (runtime/stream.py) and waited for only when
+their ids are read. `draft(tokens, k)` chains k greedy forwards on the device, each fed the argmax of the one before,
+and returns the k ids unread (DeviceIds); a verify takes them as `forward(..., tail=ids)` without a trip through the
+host. The consumed draft tokens join `tokens` when they are read (every method that needs them reads them first).
 
 The context records the tokens it consumed: `resume(prompt)` keeps the longest common prefix it can return to (a
 rollback within reach, else a reset), so a multi-turn session prefills only what is new.
@@ -34,6 +37,7 @@ from .state.kv import KVCache
 from .state.replay import ReplayState
 from .state.ring import RingState
 from .state.window import WindowState
+from .stream import DeviceIds, stream_for
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds activations and per-token rollback data of a long prompt
 _RECURRENT = ("conv", "recurrent")
@@ -54,11 +58,15 @@ class Rows:
 
 class Context:
     def __init__(self, model: Model, max_len: int | None = None, *, mode: str | None = None,
-                 window: int | None = None, poison: bool = False, graph_tokens: int | None = None):
+                 window: int | None = None, poison: bool = False, graph_tokens: int | None = None,
+                 spare_row: bool = True):
         """mode: replay | ring | window for the recurrent state (default: the target's, `default_mode`; ignored by
         pure-attention models); window: W, the deepest bounded rollback. poison: buffers start NaN, so reading
         state that was never written shows (tests). graph_tokens: forwards of up to this many tokens take the
-        fixed-address path (default: the model's cuda_graph; on CPU the path runs without capture, for tests)."""
+        fixed-address path (default: the model's cuda_graph; on CPU the path runs without capture, for tests).
+        spare_row: allocate the KV row past the context that a graph with a spare attention row writes into
+        (default); without it, forwards whose mask spans the whole buffer (the fixed-address ones) run without the
+        spare row."""
         self.model = model
         m = model.manifest
         mode = mode or default_mode(model)
@@ -75,6 +83,7 @@ class Context:
             raise SnapspecError(f"{m.folder} has no replay graph; use ring or checkpoint rollback")
         self.window = int(window or m.rollback["window"])
         self.device = model.device
+        self.stream = stream_for(self.device)  # where fixed-address forwards and their copies queue
         self.copy = Copier(self.device)
         # Not the KV buffers on a GPU: the CUDA attention kernel reads the whole buffer and masks by multiplying
         # (NaN * 0 = NaN).
@@ -84,7 +93,7 @@ class Context:
         rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
         # One row more for a graph whose attention writes a spare row past the sequence (export/blocks.py
         # _spare_row): with it, a forward that fills the context still computes its rows as one-token steps would.
-        kv_rows = self.max_len + int(bool(m.data["graphs"]["forward"].get("spare_kv_row")))
+        kv_rows = self.max_len + int(bool(spare_row and m.data["graphs"]["forward"].get("spare_kv_row")))
         self.kv = KVCache(kv_specs, kv_rows, self.device, kv_fill) if kv_specs else None
         self.recurrent = None
         if rec_specs:
@@ -117,10 +126,15 @@ class Context:
         if self.graph_tokens:
             if model.position_ids(0, 1) is None or model.position_ids(0, 1).ndim != 2:
                 raise SnapspecError("the fixed-address (CUDA graph) path needs a graph with [1, T] position_ids")
-            self.steps = CapturedSteps(model.graphs or GraphSession(model.session), self.device, self.max_len)
+            if self.stream is None:
+                raise SnapspecError(f"the fixed-address (CUDA graph) path runs on cuda or cpu, not {self.device}")
+            self.steps = CapturedSteps(model.graphs or GraphSession(model.session), self.stream, self.device,
+                                       self.max_len)
         self._run_options = SKIP if model.graphs is not None else None
         self._pinned: list = []  # host scalars that fixed-address bindings point to
         self._scratch: dict = {}  # graph mode: per-call device outputs of ordinary runs, [1, T, ...], grown on demand
+        self._drafts = None  # draft(): the device buffer its argmax ids go to, grown on demand
+        self._unread: tuple[int, DeviceIds, int] | None = None  # (index in tokens, draft ids, how many consumed)
         self.reset()
 
     @property
@@ -137,19 +151,33 @@ class Context:
         """Bytes of state buffers held: KV for max_len positions, recurrent slots, a checkpoint copy once made."""
         return sum(s.nbytes for s in self.stores) + (self._saved.nbytes if self._saved else 0)
 
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens consumed so far (the list itself: callers may truncate it with del)."""
+        self._settle()
+        return self._tokens
+
+    @property
+    def chains(self) -> bool:
+        """Whether draft() runs on the device (fixed-address forwards with the argmax in the graph)."""
+        return self.steps is not None and self.argmax_in_graph
+
     def reset(self) -> None:
         """Empty the sequence: position 0, zero recurrent state."""
+        self._settle()
         self.n_past = 0
-        self.tokens: list[int] = []
+        self._tokens: list[int] = []
         self._checkpoint = None
         for s in self.stores:
             s.reset()
 
     # -- forward ----------------------------------------------------------------------------------------------------
-    def forward(self, tokens, keep: int | None = None, logits: bool = True) -> Rows:
-        """Consume tokens; return the last `keep` rows (all by default): ids, and logits when `logits`."""
+    def forward(self, tokens, keep: int | None = None, logits: bool = True, tail: DeviceIds | None = None) -> Rows:
+        """Consume tokens, then `tail` (ids on the device: a draft), and return the last `keep` rows (all by
+        default): ids, and logits when `logits`."""
+        self._settle()
         ids = np.asarray(tokens, dtype=np.int64).reshape(1, -1)
-        t = ids.shape[1]
+        t = ids.shape[1] + (tail.n if tail is not None else 0)
         if t == 0:
             raise SnapspecError("forward of zero tokens")
         keep = t if keep is None else int(keep)
@@ -158,13 +186,22 @@ class Context:
         if self.n_past + t > self.max_len:
             raise SnapspecError(f"context full: {self.n_past} + {t} tokens exceed the context of {self.max_len}")
         keys = tuple(s.key(self.n_past) for s in self.stores)
-        if self.steps is not None and t <= self.graph_tokens and self.steps.can_run((keys, t, keep)):
-            outs = self.steps.run((keys, t, keep), ids[0], self.n_past, lambda b: self._bind_fixed(b, keys, t, keep))
-            # Copies (a device read is one; on CPU, numpy() views a buffer that the next replay rewrites).
-            rows = outs["logits"].numpy()[0, -keep:].copy() if logits or not self.argmax_in_graph else None
-            best = outs["next_tokens"].numpy()[0, -keep:].copy() if self.argmax_in_graph else rows.argmax(axis=-1)
+        if self._fixed(keys, t, keep):
+            outs = self._queue(keys, ids[0], keep, tail)
+            nxt = self._next_ids(outs, t, keep) if self.argmax_in_graph else None
+            for pending in (nxt, tail):  # both read with one wait
+                if pending is not None:
+                    pending.fetch()
+            self.stream.sync()
+            # Copies: on CPU, numpy() views a buffer that the next forward rewrites.
+            rows = outs["logits"].numpy()[0, -keep:].copy() if logits or nxt is None else None
+            best = nxt.host if nxt is not None else rows.argmax(axis=-1)
+            if tail is not None:
+                ids = np.concatenate([ids, tail.host[None]], axis=1)
             self._advance(keys, ids, outs)
             return Rows(best, rows if logits else None)
+        if tail is not None:
+            ids = np.concatenate([ids, tail.read()[None]], axis=1)
         host_logits = logits or not self.argmax_in_graph
         b, order = self._binding(keys, host_logits)
         b.bind_cpu_input("input_ids", ids)
@@ -197,12 +234,69 @@ class Context:
             best = rows.argmax(axis=-1)
         return Rows(best, rows if logits else None)
 
+    def _fixed(self, keys: tuple, t: int, keep: int) -> bool:
+        """Whether this forward takes the fixed-address path."""
+        return self.steps is not None and t <= self.graph_tokens and self.steps.can_run((keys, t, keep))
+
+    def _queue(self, keys: tuple, tokens: np.ndarray, keep: int, tail: DeviceIds | None) -> dict:
+        t = len(tokens) + (tail.n if tail is not None else 0)
+        return self.steps.run((keys, t, keep), tokens, self.n_past, lambda b: self._bind_fixed(b, keys, t, keep),
+                              tail)
+
+    def _next_ids(self, outs: dict, t: int, keep: int) -> DeviceIds:
+        """The last `keep` argmax ids of a queued fixed-address forward, unread."""
+        kept = keep if self.keeps_rows else t
+        return DeviceIds(self.stream, outs["next_tokens"].data_ptr() + 8 * (kept - keep), keep)
+
+    def draft(self, tokens, k: int) -> DeviceIds:
+        """Greedy drafting on the device: consume `tokens`, then k - 1 one-token forwards, each fed the argmax of the
+        forward before by a device copy; return the k argmax ids, queued and unread (the last is not consumed). The
+        state and bookkeeping end as k - 1 + 1 ordinary forwards leave them. Needs `chains`."""
+        self._settle()
+        if not self.chains:
+            raise SnapspecError("draft() needs the fixed-address path with the argmax in the graph")
+        if k < 1 or not len(tokens):
+            raise SnapspecError(f"draft of {k} tokens after {len(tokens)}")
+        if self.n_past + len(tokens) + k - 1 > self.max_len:
+            raise SnapspecError(f"context full: {self.n_past} + {len(tokens) + k - 1} tokens exceed the context of "
+                                f"{self.max_len}")
+        if self._drafts is None or int(self._drafts.shape()[0]) < k:
+            self._drafts = allocate([max(k, 16)], np.int64, self.device, 0)
+        out = DeviceIds(self.stream, self._drafts.data_ptr(), k)
+        start = len(self._tokens) + len(tokens)  # where the consumed draft tokens go in `tokens`
+        host = np.asarray(tokens, dtype=np.int64)
+        prev = None  # the last draft token, on the device
+        for i in range(k):
+            keys = tuple(s.key(self.n_past) for s in self.stores)
+            t = len(host) + (prev is not None)
+            if self._fixed(keys, t, 1):
+                outs = self._queue(keys, host, 1, prev)
+                self.stream.d2d(out.ptr + 8 * i, self._next_ids(outs, t, 1).ptr, 8)
+                self._advance(keys, np.concatenate([host, np.full(t - len(host), -1, dtype=np.int64)])[None], outs)
+            else:  # past the graph limit: an ordinary forward, its token written where a queued one would be
+                fed = host if prev is None else np.append(host, prev.read())
+                one = self.stream.staging(1)
+                one[0] = self.forward(fed, keep=1, logits=False).ids[-1]
+                self.stream.h2d(out.ptr + 8 * i, one)
+            prev = DeviceIds(self.stream, out.ptr + 8 * i, 1)
+            host = host[:0]
+        self._unread = (start, out, k - 1)
+        return out
+
+    def _settle(self) -> None:
+        """Put the consumed tokens of the last draft into `tokens` (reading them waits for the device once)."""
+        if self._unread is not None:
+            start, ids, n = self._unread
+            self._unread = None
+            if n:
+                self._tokens[start:start + n] = ids.read()[:n].tolist()
+
     def _advance(self, keys: tuple, ids: np.ndarray, outs: dict) -> None:
         t = ids.shape[1]
         for s, key in zip(self.stores, keys):
             s.advanced(self.n_past, t, key, outs)
         self.n_past += t
-        self.tokens.extend(ids[0].tolist())
+        self._tokens.extend(ids[0].tolist())
 
     def prefill(self, tokens, chunk: int | None = None, logits: bool = True) -> Rows:
         """Consume tokens in forwards of at most `chunk` tokens; return the last row (its logits when asked)."""
@@ -351,6 +445,9 @@ class Context:
     # -- inspection (tests, conformance) ------------------------------------------------------------------------
     def state_snapshot(self) -> dict[str, np.ndarray]:
         """Host copies of the live state: KV rows [:n_past] and the current recurrent state."""
+        self._settle()
+        if self.stream is not None:
+            self.stream.sync()  # queued forwards write the state
         out = {}
         for s in self.stores:
             out.update(s.snapshot(self.n_past))

@@ -3,10 +3,10 @@
 onnxruntime's Python API copies device to device only through the data transfer that a *plugin* execution provider
 registers (`onnxruntime.copy_tensors`: the WebGPU plugin); the built-in CUDA EP of onnxruntime-gpu 1.31 registers
 none, so a CUDA checkpoint used to travel device -> host -> device (0.30-0.82x of plain decoding on pair-a). For CUDA
-values this module calls the CUDA runtime that onnxruntime itself loaded (`cudaMemcpyAsync` device to device, then
-`cudaDeviceSynchronize`: onnxruntime runs its kernels on a non-blocking stream of its own, which does not wait for the
-legacy stream our copies go on, so a copy must be complete before the next session run). onnxruntime synchronizes its
-stream at the end of every run, so the source is final when a copy starts.
+values this module calls the CUDA runtime that onnxruntime itself loaded: `cudaMemcpyAsync` device to device on the
+stream the sessions run on (runtime/stream.py), after whatever forwards are queued there, then a wait on that stream,
+so the copy is complete before the next session run (sessions on a stream of their own synchronize it at the end of
+every run).
 
 Copies take byte ranges, so a state-window checkpoint copies the one state it needs rather than the whole arena.
 `Copier.kind` says which path runs: numpy (CPU), cudart (CUDA), copy_tensors (plugin EPs) or host (the last resort,
@@ -24,7 +24,6 @@ import onnxruntime as ort
 
 from snapspec import SnapspecError
 
-_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
 _CUDART_NAMES = ("cudart64_13.dll", "cudart64_12.dll") if sys.platform == "win32" else \
     ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
 
@@ -53,7 +52,8 @@ _ITEMSIZE = {"tensor(float)": 4, "tensor(float16)": 2, "tensor(int64)": 8, "tens
 
 
 class _Cudart:
-    """The CUDA runtime library onnxruntime's CUDA provider linked (found by soname among the loaded libraries)."""
+    """The CUDA runtime library onnxruntime's CUDA provider linked (found by soname among the loaded libraries): the
+    few calls snapspec makes itself (copies, one stream, pinned host memory)."""
 
     def __init__(self):
         self.lib = None
@@ -69,20 +69,58 @@ class _Cudart:
                 break
         if self.lib is None:
             raise SnapspecError("the CUDA runtime library (libcudart) is not loadable; device-side copies need it")
-        self.lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                             ctypes.c_void_p]
-        self.lib.cudaDeviceSynchronize.argtypes = []
-        self.lib.cudaGetErrorString.restype = ctypes.c_char_p
-        self.lib.cudaGetErrorString.argtypes = [ctypes.c_int]
+        lib = self.lib
+        lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                        ctypes.c_void_p]
+        lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+        lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+        lib.cudaGetErrorString.restype = ctypes.c_char_p
+        lib.cudaGetErrorString.argtypes = [ctypes.c_int]
 
     def _check(self, err: int, what: str) -> None:
         if err:
             raise SnapspecError(f"{what} failed: CUDA error {err} ({self.lib.cudaGetErrorString(err).decode()})")
 
-    def copy(self, pairs) -> None:
-        for dst, src, n in pairs:
-            self._check(self.lib.cudaMemcpyAsync(dst, src, n, _MEMCPY_DEVICE_TO_DEVICE, None), "cudaMemcpyAsync")
-        self._check(self.lib.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+    def create_stream(self) -> int:
+        handle = ctypes.c_void_p()
+        # non-blocking, as onnxruntime's own streams: the legacy default stream does not wait for it, nor it for that
+        self._check(self.lib.cudaStreamCreateWithFlags(ctypes.byref(handle), 1), "cudaStreamCreateWithFlags")
+        return int(handle.value)
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+        self._check(self.lib.cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
+
+    def sync_stream(self, stream: int) -> None:
+        self._check(self.lib.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+    def pinned(self, nbytes: int) -> _Pinned:
+        ptr = ctypes.c_void_p()
+        self._check(self.lib.cudaHostAlloc(ctypes.byref(ptr), nbytes, 0), "cudaHostAlloc")
+        return _Pinned(self, int(ptr.value), nbytes)
+
+
+class _Pinned:
+    """Page-locked host memory (asynchronous copies need it), freed with its owner."""
+
+    def __init__(self, rt: _Cudart, ptr: int, nbytes: int):
+        self.rt, self.ptr, self.nbytes = rt, ptr, nbytes
+        self.array = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def __del__(self):
+        self.rt.lib.cudaFreeHost(self.ptr)
+
+
+_CUDART: _Cudart | None = None
+
+
+def cudart() -> _Cudart:
+    """The CUDA runtime, looked up once."""
+    global _CUDART
+    if _CUDART is None:
+        _CUDART = _Cudart()
+    return _CUDART
 
 
 class Copier:
@@ -90,13 +128,14 @@ class Copier:
 
     def __init__(self, device: str, force_host: bool = False):
         self.device = device
-        self._cudart = None
+        self._stream = None
         if device == "cpu":
             self.kind = "numpy"
         elif force_host:
             self.kind = "host"
         elif device == "cuda":
-            self._cudart = _Cudart()
+            from .stream import stream_for
+            self._stream = stream_for("cuda")
             self.kind = "cudart"
         else:
             self.kind = "copy_tensors"  # checked on first use; a provider without a data transfer goes by host
@@ -114,7 +153,9 @@ class Copier:
             for src, dst in pairs:
                 ctypes.memmove(dst.ptr, src.ptr, src.nbytes)
         elif self.kind == "cudart":
-            self._cudart.copy([(dst.ptr, src.ptr, src.nbytes) for src, dst in pairs])
+            for src, dst in pairs:
+                self._stream.d2d(dst.ptr, src.ptr, src.nbytes)
+            self._stream.sync()
         elif self.kind == "copy_tensors" and all(_whole(r) for p in pairs for r in p):
             try:
                 ort.copy_tensors([s.value for s, _ in pairs], [d.value for _, d in pairs], None)

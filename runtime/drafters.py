@@ -17,7 +17,10 @@ this drafter cannot undo a k-token draft by itself); with `checkpoint=True` the 
 drafting and `accepted` restores it. A drafter without state ignores both.
 
 ModelDrafter runs a drafter model over a Context of its own: one-token draft steps, rolled back by the context's
-ring slots (or truncation, for an attention-only drafter).
+ring slots (or truncation, for an attention-only drafter). A greedy draft on a context with fixed-address forwards
+(CUDA graphs) is chained on the device (Context.draft): the k steps are queued back to back, each fed the argmax of
+the one before without a trip through the host, and the draft reaches the round as device ids (`Draft.device`) that
+the target's verify reads where they are; the host sees the tokens with the verify's result, after one wait.
 """
 
 from __future__ import annotations
@@ -31,12 +34,20 @@ from .adaptive import Costs, DraftLengthChooser, measure_costs
 from .context import Context
 from .sampling import SamplingParams, check_finite, pick
 from .stats import Stats
+from .stream import DeviceIds
 
 
 @dataclass
 class Draft:
     tokens: list[int]
     q: list = field(default_factory=list)  # per token, the distribution it was drawn from (sampling); [] greedy
+    device: DeviceIds | None = None  # the tokens, still on the device (a chained greedy draft); tokens is empty
+
+    def resolve(self) -> list[int]:
+        """The tokens on the host (reading device ids waits for them, unless a verify's read brought them)."""
+        if self.device is not None and not self.tokens:
+            self.tokens = self.device.read().tolist()
+        return self.tokens
 
 
 class Drafter(ABC):
@@ -83,9 +94,12 @@ class Drafter(ABC):
 class ModelDrafter(Drafter):
     """A drafter model over its own Context: k one-token steps per round, rolled back to the accepted position."""
 
-    def __init__(self, ctx: Context, prefill_chunk: int | None = None):
+    def __init__(self, ctx: Context, prefill_chunk: int | None = None, chain: bool = True):
+        """chain: chain greedy drafts on the device when the context can (False: one step at a time, each read
+        back before the next; kept for comparisons)."""
         self.ctx = ctx
         self.prefill_chunk = prefill_chunk
+        self.chain = chain
         self._round: tuple[int, int, bool] | None = None  # (len(seq), k, checkpoint) of the last propose
 
     @property
@@ -113,7 +127,8 @@ class ModelDrafter(Drafter):
     def measure_costs(self, tctx: Context, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
         if tctx.n_past + n_max > tctx.max_len or self.ctx.n_past + 2 > self.ctx.max_len:
             return None
-        return measure_costs(tctx, self.ctx, n_max, reps=reps, tokens=tokens)
+        return measure_costs(tctx, self.ctx, n_max, reps=reps, tokens=tokens,
+                             chained=self.chain and self.ctx.chains)
 
     def propose(self, seq: list[int], k: int, *, checkpoint: bool = False) -> Draft:
         ctx, st, n = self.ctx, self.stats, len(seq)
@@ -127,6 +142,9 @@ class ModelDrafter(Drafter):
             ctx.checkpoint()
         self._round = (n, k, checkpoint)
         greedy = self.sampling.greedy
+        st.drafter_forwards += k
+        if greedy and self.chain and ctx.chains:
+            return Draft([], device=ctx.draft(seq[ctx.n_past:], k))
         tokens, q = [], []
         rows = ctx.forward(seq[ctx.n_past:], keep=1, logits=not greedy)
         for i in range(k):
@@ -140,7 +158,6 @@ class ModelDrafter(Drafter):
             tokens.append(d)
             if i + 1 < k:
                 rows = ctx.forward([d], keep=1, logits=not greedy)
-        st.drafter_forwards += k
         return Draft(tokens, q)
 
     def accepted(self, j: int) -> str | None:

@@ -91,7 +91,8 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     """
     m = genai_folder.read_manifest(folder, verify)  # snapspec.json, or derived from an onnxruntime-genai folder
     opts = _options(threads, spin)
-    used_ep, providers = configure(ep, opts, allow_fallback, cuda_graph=cuda_graph > 0)
+    # With graphs, every session of the model runs on snapspec's stream: replays are queued, not waited for.
+    used_ep, providers = configure(ep, opts, allow_fallback, cuda_graph=cuda_graph > 0, shared_stream=cuda_graph > 0)
     if used_ep == "cuda":
         _check_cuda_support(m)
     if cuda_graph and used_ep != "cuda":
@@ -108,7 +109,8 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     replay, replay_path = None, m.graph_path("replay") if graph == "forward" else None
     if replay_path is not None:
         replay_opts = _options(threads, spin=False)
-        _, replay_providers = configure(used_ep, replay_opts, allow_fallback)  # a plugin EP adds its device here
+        _, replay_providers = configure(used_ep, replay_opts, allow_fallback,  # a plugin EP adds its device here
+                                        shared_stream=cuda_graph > 0 and used_ep == "cuda")
         replay = _session(replay_path, replay_opts, replay_providers)
     tok_path = m.folder / "tokenizer.json"
     if not tok_path.exists():
@@ -178,6 +180,12 @@ def _check_cuda_support(m: manifest.Manifest) -> None:
     exports run; their gated delta rule is computed in float32 (the CUDA kernel wants state and activations in one
     dtype, and the state is float32). Exports made before that (fp16 activations into a float32 state) are refused.
     """
+    if m.data["export"].get("embedding_dtype") == "int4":
+        # Measured on an H200 (BENCHMARKS.md, "Greedy drafts chained on the device"): pair-a exported with the int4
+        # GatherBlockQuantized embedding ran without error and produced degenerate text (acceptance 0.05-0.1
+        # instead of 0.86); the same export with an fp16 table matched its CPU results.
+        raise SnapspecError("int4-embedding exports (GatherBlockQuantized) give wrong results on onnxruntime-gpu "
+                            "1.31's CUDA provider; re-export with --embedding-dtype fp16 for CUDA")
     dtype = m.data["export"]["dtype"]
     has_attention = any(s["role"].startswith("kv") for s in m.state)
     if dtype == "float32" and has_attention:

@@ -62,11 +62,12 @@ def available() -> list[str]:
     return have
 
 
-def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool,
-              cuda_graph: bool = False) -> tuple[str, list[str] | None]:
+def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool, cuda_graph: bool = False,
+              shared_stream: bool = False) -> tuple[str, list[str] | None]:
     """Put `opts` on `ep`. Returns (ep actually used, providers list for InferenceSession or None when the
     device was added to the options). A missing provider is an error unless fallback is allowed. cuda_graph: the
-    CUDA session captures and replays CUDA graphs (runtime/cuda_graph.py); CUDA only."""
+    CUDA session captures and replays CUDA graphs (runtime/cuda_graph.py); shared_stream: it runs on snapspec's CUDA
+    stream (runtime/stream.py), so its work queues behind other sessions' without waits. CUDA only."""
     if ep not in PROVIDERS:
         raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
     if ep == "cpu":
@@ -86,6 +87,10 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool,
             options = {"use_tf32": "0"}
             if cuda_graph:
                 options["enable_cuda_graph"] = "1"
+            if shared_stream:
+                from .stream import queued, stream_for
+                if queued("cuda"):
+                    options["user_compute_stream"] = str(stream_for("cuda").handle)
             return ep, [(PROVIDERS[ep], options), "CPUExecutionProvider"]
         return ep, [PROVIDERS[ep], "CPUExecutionProvider"]
     have = ", ".join(available())

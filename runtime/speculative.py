@@ -5,7 +5,8 @@ The round knows the target's Context and a Drafter (drafters.py), not what draft
 place (truncate, replay, ring, window); a round that bounded rollback cannot serve (`bounded=False`: a draft longer
 than the window, a side without rollback, or the checkpoint baseline forced) copies the recurrent state before
 drafting, restores it after, and lets the next round re-decode the accepted tokens. Counters count every round
-either way. Greedy rounds move token ids only: the verify returns the argmax of its k+1 rows.
+either way. Greedy rounds move token ids only: the verify returns the argmax of its k+1 rows. A draft left on the
+device (a chained greedy draft) goes into the verify there, and its tokens come back with the verify's ids.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ def speculative_round(tctx: Context, drafter: Drafter, seq: list[int], k: int, s
         tctx.checkpoint()
     with st.timed("draft"):
         draft = drafter.propose(seq, k, checkpoint=not bounded)
-    with st.timed("verify"):
-        rows = tctx.forward(seq[tctx.n_past:] + draft.tokens, keep=k + 1, logits=not sampling.greedy)
+    with st.timed("verify"):  # with a queued draft, this also waits for the drafter's steps
+        if draft.device is not None:
+            rows = tctx.forward(seq[tctx.n_past:], keep=k + 1, logits=not sampling.greedy, tail=draft.device)
+        else:
+            rows = tctx.forward(seq[tctx.n_past:] + draft.tokens, keep=k + 1, logits=not sampling.greedy)
         st.target_forwards += 1
+        draft.resolve()
     with st.timed("sampling"):
         if sampling.greedy:
             j, nxt = accept_greedy(draft.tokens, rows.ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapspec.runtime import Context, Generator, default_mode, load
+from snapspec.runtime import Context, Generator, ModelDrafter, default_mode, load
 from snapspec.runtime.providers import available
 from snapspec.runtime import contract
 
@@ -144,3 +144,48 @@ def test_device_checkpoint_equals_host(tiny_export, target, recurrent, role):
     (bd, ld), (bh, lh) = snaps
     assert all(np.array_equal(bd[k], bh[k]) for k in bd)
     assert np.array_equal(ld, lh)
+
+
+@pytest.mark.parametrize("target,drafter", PAIRS)
+def test_chained_drafts_on_cuda_graphs(tiny_export, target, drafter):
+    """Greedy drafts chained on the device through captured graphs (queued replays, device copies between them, one
+    read) give the tokens and state of one-step drafts read back each step, through rounds with rollbacks; and
+    speculation with them gives the tokens of speculation with one-step drafts for k = 1..7 (the same verify inputs:
+    equal exactly), every round bounded. (Equality with plain greedy decoding is the contract's, checked on CPU in
+    tests/test_draft_chain.py and on pair-a in the H200 benchmark: on CUDA's fp16 kernels a k+1-token verify of these
+    random models can round a near-tie differently from one-token steps.)"""
+    from test_draft_chain import _one_step_draft
+
+    _need("cuda")
+    tf, df = tiny_export(target, dtype="float16"), tiny_export(drafter, dtype="float16")
+    t, d = load(tf, "cuda", cuda_graph=9), load(df, "cuda", role="drafter", cuda_graph=9)
+    mode = default_mode(d, "drafter")
+    # both capture; the reference reads each step back instead of chaining
+    ref, chained = Context(d, 96, mode=mode, window=8), Context(d, 96, mode=mode, window=8)
+    assert chained.chains
+    prompt = t.encode("def forward(self, x):")
+    ref.prefill(prompt, logits=False)
+    chained.prefill(prompt, logits=False)
+    rng = np.random.default_rng(3)
+    fed = [prompt[-1]]
+    for k in (1, 4, 8, 2, 7, 3):
+        want = _one_step_draft(ref, fed, k)
+        assert chained.draft(fed, k).read().tolist() == want, f"k={k}"
+        assert chained.tokens == ref.tokens
+        sa, sb = ref.state_snapshot(), chained.state_snapshot()
+        assert all(np.array_equal(sa[n], sb[n]) for n in sa), f"state after a k={k} draft"
+        j = int(rng.integers(0, k + 1))
+        keep = ref.n_past - (k - 1) + min(j, k - 1)
+        if keep < ref.n_past:
+            assert ref.rollback(keep) == chained.rollback(keep)
+        fed = ([want[-1]] if j == k else []) + [int(rng.integers(0, d.vocab_size))]
+    assert chained.steps.graphs.captured > 0
+    for k in range(1, 8):  # the state-window target undoes W - 1 = 7 tokens
+        out = []
+        for chain in (True, False):
+            dctx = Context(d, 96, mode=mode, window=8)
+            g = Generator(t, prompt, drafter=ModelDrafter(dctx, chain=chain), max_new_tokens=40, draft_max=k,
+                          window=8, stop_at_eos=False)
+            out.append(g.run())
+            assert "checkpoint" not in g.modes_used, g.modes_used
+        assert out[0] == out[1], f"k={k}"

@@ -21,11 +21,22 @@
 #           benchmarks/realscale.py per target shape x dtype, without and with CUDA graphs; llama-bench per GGUF
 # Checkpoints and GGUFs live on a tmpfs (the disk is 64 GB; the 9B's files alone are ~70 GB); each size's files are
 # deleted once measured. Stages that would start after $DEADLINE seconds are skipped and say so.
+#
+# The payload's `plan` file picks the block: realscale (the above, the default) or chain (BENCHMARKS.md "Greedy drafts
+# chained on the device"): no llama.cpp; ckpt + export of the 0.8B and 4B shapes (fp16, fp16 + int4) beside a GPU
+# track of: a smoke check of chained drafts on pair-a, tests/test_gpu.py, then, once the CPU work is done (a quiet
+# host: these rounds are host-sensitive), benchmarks/draft_chain.py on pair-a (chained vs one-step drafts vs plain,
+# profile), the pair-a bench with CUDA graphs, benchmarks/realscale.py for 4B + 0.8B (fp16, int4) with graphs, and
+# benchmarks/graph_nodes.py (nodes per step after onnxruntime's CUDA optimizations). pair: the chain plan's pair-a
+# part alone (smoke, greedy equality, draft_chain, the pair-a bench with graphs), no CPU track. pair2: the pair-a bench
+# of the previous H200 session's runtime (payload oldsrc.tar: snapspec 9107e52 laid out as installed) on the same
+# pair, then draft_chain recording prompts that differ from plain greedy instead of stopping.
 set -uo pipefail
 B=${BLOCK_DIR:-/tmp/blk}
 cmd=${1:?start|wait|collect}
 DEADLINE=${DEADLINE:-960}
 
+plan() { cat $B/payload/plan 2>/dev/null || echo realscale; }
 ts() { echo "$(( $(date +%s) - $(cat $B/t0 2>/dev/null || date +%s) ))s"; }
 log() { echo "[$(ts)] $*" | tee -a $B/progress; }
 late() { [ $(( $(date +%s) - $(cat $B/t0) )) -gt "$DEADLINE" ]; }
@@ -94,7 +105,9 @@ ckpt() {  # initialised on the GPU (minutes -> seconds); on the CPU if that fail
 }
 export_one() {  # export_one SHAPE NAME EXTRA...
   local shape=$1 name=$2; shift 2
-  py -m snapspec.tools.cli export $R/ck/$shape -o $D/$name --dtype fp16 "$@" --force
+  # int4: an fp16 embedding table (the int4 one gives wrong results on CUDA: runtime/model.py refuses it)
+  local emb=(); [[ " $* " == *" int4 "* ]] && emb=(--embedding-dtype fp16)
+  py -m snapspec.tools.cli export $R/ck/$shape -o $D/$name --dtype fp16 "$@" "${emb[@]}" --force
 }
 gguf() {  # gguf SHAPE: F16 and Q4_0
   local extra=()
@@ -129,9 +142,9 @@ emitted() {  # mean tokens per round by k, from the pair-a bench: the acceptance
   py -c "import json; r = json.load(open('$B/res/pair-a-$1.json'))['configs']; print(','.join(f\"{x['k']}:{x['mean_emitted_per_round']:.4f}\" for x in r if x['k'] != 'auto' and x['rollback'] == 'auto'))" \
     > $B/res/pair-a-emitted.txt
 }
-tests() { cd $B/tmp && timeout 360 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider; }
+tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider "$@"; }
 
-track_cpu() {  # checkpoints one after the other; each size's exports and GGUFs beside the next checkpoint
+track_cpu_realscale() {  # checkpoints one after the other; each size's exports and GGUFs beside the next checkpoint
   if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
     { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16 &
       stage export-d08-int4 export_one qwen35-0.8b d08-int4 --quant int4 &
@@ -161,7 +174,7 @@ track_cpu() {  # checkpoints one after the other; each size's exports and GGUFs 
   fi
   wait
 }
-track_gpu() {
+track_gpu_realscale() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > $B/res/gpu.txt
   stage tests tests
   await pair || true
@@ -191,15 +204,107 @@ track_gpu() {
     touch $B/mark/gpu-$n.ok
   done
 }
+smoke() {  # chained drafts on pair-a's drafter equal one-step drafts; how long queueing and reading take
+  cd $B/tmp && py - <<'PY'
+import time
+from snapspec.runtime import Context, load
+d = load("/tmp/blk/payload/pair/drafter", "cuda", role="drafter", cuda_graph=9)
+a, b = Context(d, 256, mode="ring", window=8), Context(d, 256, mode="ring", window=8)
+p = d.encode("def forward(self, x):\n    return")
+for c in (a, b):
+    c.prefill(p, logits=False)
+ref, r = [], a.forward([p[-1]], keep=1, logits=False)
+for i in range(8):
+    ref.append(int(r.ids[-1]))
+    r = a.forward([ref[-1]], keep=1, logits=False) if i < 7 else r
+for _ in range(3):
+    t0 = time.perf_counter(); ids = b.draft([p[-1]], 8); t1 = time.perf_counter(); got = ids.read().tolist()
+    t2 = time.perf_counter(); b.rollback(b.n_past - 8)
+print("one-step", ref, "chained", got, "queued %.3f ms, read %.3f ms" % (1e3 * (t1 - t0), 1e3 * (t2 - t1)))
+assert got == ref
+PY
+}
+chain_bench() {
+  cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/draft_chain.py \
+    --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --cuda-graph 9 \
+    --prompts $B/payload/pair/prompts.jsonl --limit 8 --max-new-tokens 128 --k 1,2,3,4 --reps 3 \
+    --json $B/res/pair-a-chain.json --profile $B/res/pair-a-chain-profile.txt --spare-row $(spare_choice) \
+    ${ALLOW_MISMATCH:+--allow-mismatch}
+}
+old_bench() {
+  mkdir -p $B/oldsite && tar xf $B/payload/oldsrc.tar -C $B/oldsite
+  cd $B/tmp && timeout 240 env PYTHONPATH=$B/oldsite PYTHONUNBUFFERED=1 python3 -m snapspec.tools.cli bench \
+    --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --cuda-graph 9 \
+    --prompts $B/payload/pair/prompts.jsonl --limit 8 --k 1,3 --reps 1 --max-new-tokens 128 \
+    --json $B/res/pair-a-oldruntime.json
+}
+spare_choice() {  # 1 unless only KV buffers without the spare row kept greedy equality with graphs (equality stage)
+  py -c "
+import json
+r = json.load(open('$B/res/pair-a-equality.json'))
+ok = {s: all(all(d is None for d in v) for v in r.get(f'graphs=9 spare_row={s}', {'x': [0]}).values()) for s in (0, 1)}
+print(0 if ok[0] and not ok[1] else 1)" 2>/dev/null || echo 1
+}
+nodes() {  # nodes NAME FOLDER...
+  local name=$1; shift
+  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site python3 $B/src/benchmarks/graph_nodes.py "$@" --ep cuda \
+    --json $B/res/nodes-$name.json
+}
+quiet() {  # until the CPU track is done (or SECONDS pass): host-bound rounds must not share the cores
+  local end=$(( $(date +%s) + $1 ))
+  until [ -e $B/mark/cpu.ok ] || [ $(date +%s) -gt $end ]; do sleep 2; done
+}
+track_cpu_chain() {
+  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
+    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16; rm -rf $R/ck/qwen35-0.8b; } &
+  fi
+  stage ckpt-qwen35-4b ckpt qwen35-4b && stage export-4b-fp16 export_one qwen35-4b t4b-fp16
+  rm -rf $R/ck/qwen35-4b
+  wait
+}
+equality() {
+  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/greedy_equality.py \
+    --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --prompts $B/payload/pair/prompts.jsonl \
+    --limit 8 --max-new-tokens 128 --k 1,3 --json $B/res/pair-a-equality.json
+}
+emitted_chain() {  # pair-a's mean tokens per round by k, chained drafts: the acceptance the real-shape predictions use
+  py -c "import json; r = json.load(open('$B/res/pair-a-chain.json'))['configs']; print(','.join(f\"{l.split('=')[1]}:{x['mean_emitted_per_round']:.4f}\" for l, x in r.items() if l.startswith('chain k=') and not l.endswith('auto')))" \
+    > $B/res/pair-a-emitted.txt
+}
+track_gpu_chain() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > $B/res/gpu.txt
+  await pair || true
+  stage smoke smoke
+  stage equality equality
+  stage tests tests -k "chained or cuda_graph or device_checkpoint"
+  quiet 300
+  stage pair-chain chain_bench
+  [ -e $B/mark/pair-chain.ok ] && emitted_chain
+  await export-d08-fp16 export-4b-fp16 && stage rs-4b-fp16-graph realscale 4b-fp16-graph t4b-fp16 d08-fp16 8
+}
+track_cpu_pair() { :; }
+track_cpu_pair2() { :; }
+track_gpu_pair2() {
+  await pair || true
+  stage old-bench old_bench
+  ALLOW_MISMATCH=1 stage pair-chain chain_bench
+}
+track_gpu_pair() {
+  await pair || true
+  stage smoke smoke
+  stage equality equality
+  stage pair-chain chain_bench
+  stage pair-graph pair_bench graph 9 auto
+}
 run_cpu() {
   mkdir -p $R/ck $R/gg $D
-  stage build build_llama &
-  track_cpu &
+  [ $(plan) = realscale ] && { stage build build_llama & }
+  track_cpu_$(plan) &
   wait
   touch $B/mark/cpu.ok
 }
 run_gpu() {
-  track_gpu
+  track_gpu_$(plan)
   await cpu || true
   log "block done"
   touch $B/mark/all.done
