@@ -17,6 +17,11 @@ many prompt tokens were prefilled and how many reused.
 Without a chat template (raw=True) the conversation is the concatenation of its messages' contents, with BOS as the
 tokenizer adds it: the model continues the text.
 
+A drafter is a Model (the cache keeps its context beside the target's) or a drafter without a model: "ngram" (or an
+NgramDrafter with other sizes). The n-gram drafter lives as long as the session, and each generation's sequence is
+the whole rendered conversation plus the reply so far, so its lookups search every earlier turn; its index keeps
+what the next turn has in common with the last one and indexes only the rest.
+
 Generation stops at the export's EOS ids and at the tokenizer config's eos_token, which chat models set to their
 end-of-turn token (<|im_end|>) while generation_config.json may list only end-of-text.
 """
@@ -29,8 +34,10 @@ from typing import Iterator
 from snapspec import SnapspecError
 
 from .context import Context, default_mode
+from .drafters import Drafter
 from .generation import Generator, final_text, stream_text
 from .model import Model
+from .ngram import NgramDrafter
 from .state.checkpoint import Checkpoint
 from .stats import Stats
 from .template import ChatFormat, normalize_messages
@@ -69,15 +76,29 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def chat(target: Model, messages, *, drafter: Model | None = None, raw: bool = False, template_kwargs=None,
-         **kwargs) -> Generator:
-    """One reply to `messages` (a list of {role, content}), generated to the end: the Generator, as generate()."""
+def chat(target: Model, messages, *, drafter: Model | Drafter | str | None = None, raw: bool = False,
+         template_kwargs=None, **kwargs) -> Generator:
+    """One reply to `messages` (a list of {role, content}), generated to the end: the Generator, as generate().
+    drafter: a Model, "ngram" or a Drafter, as for Generator."""
     fmt = chat_format(target)
     gen = Generator(target, prompt_ids(target, messages, raw=raw, fmt=fmt, **(template_kwargs or {})),
                     drafter=drafter, **kwargs)
     stop_at_end_of_turn(gen, fmt)
     gen.run()
     return gen
+
+
+def session_drafter(target: Model, drafter) -> Model | Drafter | None:
+    """The drafter of a PromptCache or ChatSession: a Model (its context is cached), None, or a Drafter without a
+    model ("ngram" makes an NgramDrafter of the default sizes), which follows each generation's whole sequence."""
+    if drafter is None or isinstance(drafter, Model):
+        return drafter
+    if drafter == "ngram":
+        return NgramDrafter(target.vocab_size)
+    if isinstance(drafter, Drafter) and drafter.ctx is None:
+        return drafter
+    raise SnapspecError(f"a chat's drafter must be a loaded Model, \"ngram\" or a Drafter without a model context "
+                        f"(the session keeps a drafter model's context itself), got {drafter!r}")
 
 
 def stop_at_end_of_turn(gen: Generator, fmt: ChatFormat) -> None:
@@ -95,6 +116,8 @@ class SessionStats:
     new_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    lookups: int = 0  # n-gram drafting: lookups, and those that found a draft
+    lookup_hits: int = 0
     rollbacks: dict = field(default_factory=dict)
 
     def add(self, s: Stats) -> None:
@@ -104,6 +127,8 @@ class SessionStats:
         self.new_tokens += s.new_tokens
         self.drafted += s.drafted
         self.accepted += s.accepted
+        self.lookups += s.lookups
+        self.lookup_hits += s.lookup_hits
         for k, v in s.rollbacks.items():
             self.rollbacks[k] = self.rollbacks.get(k, 0) + v
 
@@ -144,14 +169,18 @@ class _Mark:
 class PromptCache:
     """A target context (and a drafter context) that live across generations, each with a mark (module doc)."""
 
-    def __init__(self, target: Model, drafter: Model | None = None, context: int | None = None,
+    def __init__(self, target: Model, drafter: Model | Drafter | str | None = None, context: int | None = None,
                  window: int | None = None):
+        """drafter: a Model gets a context here; a drafter without a model ("ngram", an NgramDrafter) needs none,
+        and is handed to each generator() by its caller."""
         window = int(window or target.manifest.rollback["window"])
-        limit = min(m.manifest.max_context for m in (target, drafter) if m is not None)
+        drafter = session_drafter(target, drafter)
+        model = drafter if isinstance(drafter, Model) else None
+        limit = min(m.manifest.max_context for m in (target, model) if m is not None)
         ctx_len = min(int(context or limit), limit)
         self.tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
-        self.dctx = None if drafter is None else Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
-                                                         window=window)
+        self.dctx = None if model is None else Context(model, ctx_len, mode=default_mode(model, "drafter"),
+                                                       window=window)
         self.marks = [_Mark(c) for c in (self.tctx, self.dctx) if c is not None]
         self.costs = None  # the adaptive draft length's cost model, measured once and handed to each Generator
 
@@ -164,7 +193,8 @@ class PromptCache:
             mark.ctx.reset()
             mark.tokens = None
 
-    def generator(self, target: Model, ids, base: int, *, drafter: Model | None = None, **kwargs) -> Generator:
+    def generator(self, target: Model, ids, base: int, *, drafter: Model | Drafter | None = None,
+                  **kwargs) -> Generator:
         """A Generator over these contexts. Its first step brings each context to the longest prefix of ids it can
         keep (rollback, else the mark), prefills it to `base` and marks the state there; the Generator prefills
         the rest. Its stats count all of it."""
@@ -216,17 +246,18 @@ class CachedGenerator(Generator):
 class ChatSession:
     """A multi-turn conversation with one model (and a drafter). `reply(text)` yields the answer's text pieces."""
 
-    def __init__(self, target: Model, drafter: Model | None = None, *, system: str | None = None, raw: bool = False,
-                 context: int | None = None, template_kwargs: dict | None = None, **generation):
-        """context: tokens the conversation may reach (default: the exports' max_context); generation: Generator
-        arguments for every turn (max_new_tokens, sampling, draft_max, stop_strings, stop_at_eos, ...)."""
-        self.target, self.drafter, self.raw = target, drafter, raw
+    def __init__(self, target: Model, drafter: Model | Drafter | str | None = None, *, system: str | None = None,
+                 raw: bool = False, context: int | None = None, template_kwargs: dict | None = None, **generation):
+        """drafter: a Model, "ngram" or an NgramDrafter (other sizes); context: tokens the conversation may reach
+        (default: the exports' max_context); generation: Generator arguments for every turn (max_new_tokens,
+        sampling, draft_max, stop_strings, stop_at_eos, ...)."""
+        self.target, self.drafter, self.raw = target, session_drafter(target, drafter), raw
         self.format = chat_format(target)
         if not raw and not self.format.has_template:
             self.format.render([{"role": "user", "content": ""}])  # raises the one-line error naming the fix
         self.template_kwargs = dict(template_kwargs or {})
         self.generation = generation
-        self.cache = PromptCache(target, drafter, context, generation.get("window"))
+        self.cache = PromptCache(target, self.drafter, context, generation.get("window"))
         self.system = system
         self.messages: list[dict] = []
         self.totals = SessionStats()

@@ -68,6 +68,11 @@ class Drafter(ABC):
         """How many draft tokens (at most k) propose(seq, k) will give; 0 makes the round a plain step."""
         return k
 
+    def has_draft(self, seq: list[int]) -> bool:
+        """Whether a round after seq would find a draft, without counting or remembering anything (adaptive k times
+        its cost model at the first round that has one)."""
+        return True
+
     def chooser(self, k_max: int, costs: Costs | None) -> DraftLengthChooser:
         """The adaptive draft-length chooser for draft_max="auto"."""
         return DraftLengthChooser(k_max, costs)

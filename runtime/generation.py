@@ -80,6 +80,7 @@ class Generator:
         self.stop_reason: str | None = None
         self._warned: set[str] = set()
         self._started = False
+        self._calibrated = False  # the cost model was measured (or there was no room to)
         self._text = _TextStream(target.tokenizer)
         # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
         # calibration times forwards of up to W + 1 tokens after the prompt).
@@ -170,10 +171,10 @@ class Generator:
                 self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st)
             first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
         out = self._emit([first])
-        self._calibrate()
         if out:
             yield out
         while self.stop_reason is None:
+            self._calibrate()
             with st.span("decode"):
                 new = self._round() if self.drafter is not None else self._plain_step()
                 out = self._emit(new)
@@ -193,12 +194,15 @@ class Generator:
             return pick(rows.logits[-1], self.sampling, self.rng)[0]
 
     def _calibrate(self) -> None:
-        """Measure the cost model for adaptive k on the live contexts, when it is needed and there is room for
-        the largest forward it times (near the end of the context the chooser keeps its default instead)."""
-        if self.chooser is None or self.chooser.costs is not None or self.stop_reason is not None:
+        """Measure the cost model for adaptive k on the live contexts, once, before the first round that has a
+        draft (a drafter model: the first round; an n-gram lookup: the first lookup that finds something, so a
+        generation whose lookups all miss never pays the multi-token forwards the measurement times). Near the end
+        of the context, where the largest forward it times does not fit, the chooser keeps its default instead."""
+        if self.chooser is None or self.chooser.costs is not None or self._calibrated or self.drafter is None:
             return
-        if self.drafter is None:
+        if not self.drafter.has_draft(self.seq):
             return
+        self._calibrated = True
         with self.stats.timed("calibration"):
             self.costs = self.chooser.costs = self.drafter.measure_costs(self.tctx, self.window + 1)
 

@@ -17,11 +17,21 @@ deterministic), so the rejection rule stays exact: accept with probability p(d),
 Adaptive k (LookupChooser): a draft costs a lookup (microseconds, measured: c is about 1e-4 target steps on pair-a),
 so a round costs C(k+1) + r instead of C(k+1) + k*c + r, and longer drafts pay sooner than with a drafter model.
 The acceptance estimate and the predicted speedup E(k) / (C(k+1) + k*c + r) are the model drafter's
-(adaptive.py), counted over rounds that had a draft: a lookup that misses is a plain step, costs nothing and says
-nothing about acceptance. What differs is that k = 0 is a choice: when no k is predicted to beat a plain step
-(speedup 1.0), the round is a plain step even though the lookup found a draft. While it drafts nothing, the chooser
-still looks up and checks the lookup's first token against the token the plain step produced (free), so it notices
-when lookups start to match again.
+(adaptive.py), counted over rounds that had a draft. What differs is that k = 0 is a choice: when no k is predicted
+to beat a plain step (speedup 1.0), the round is a plain step even though the lookup found a draft. While it drafts
+nothing, the chooser still looks up and checks the lookup's first token against the token the plain step produced
+(free), so it notices when lookups start to match again.
+
+A lookup that finds nothing is a plain one-token step whatever k was chosen, and nothing more. The chooser keeps a
+running hit rate h (decayed per lookup) and maximises the speedup over all steps, (h*E(k) + 1 - h) / (h*(C(k+1) +
+k*c + r) + 1 - h), the bench's predicted speedup: whether drafting pays at all (some k with E(k) above its round's
+cost) does not depend on h, but when hits are rare the plain steps dilute every round, so the k with the largest
+gain E(k) - cost wins over the best ratio, a somewhat longer draft. (Replaying pair-a's greedy outputs through this
+rule and the per-round ratio alone: within 1% of each other in predicted speed.) Nor does a miss pay for the cost
+model: the Generator times it (forwards of up to W + 1 tokens) at the first step whose lookup would find a draft
+(`has_draft`), so a generation whose lookups all miss is plain decoding, forward for forward. What a low hit rate
+with wrong drafts costs is the rounds it takes the acceptance estimate to fall from its prior (0.6) to where no k
+pays: about 8 short rounds (k = 3 down to 1) with pair-a's costs.
 """
 
 from __future__ import annotations
@@ -146,6 +156,8 @@ class NgramDrafter(Drafter):
                 if n > pos and self._chooser is not None:
                     self._chooser.observe(seq[pos] == tok)
             draft = self.index.lookup(max(k, 1))
+            if self._chooser is not None:
+                self._chooser.looked(bool(draft))
             if k == 0:  # the chooser (or the end of the budget) skips drafting: remember what it would have said
                 self._shadow = (n, draft[0]) if draft else None
                 return 0
@@ -153,6 +165,10 @@ class NgramDrafter(Drafter):
             st.lookup_hits += bool(draft)
             self._draft = (n, draft)
             return len(draft)
+
+    def has_draft(self, seq: list[int]) -> bool:
+        self._sync(seq)
+        return self.index.match()[0] > 0
 
     def propose(self, seq: list[int], k: int, *, checkpoint: bool = False) -> Draft:
         n = len(seq)
@@ -194,14 +210,30 @@ class NgramDrafter(Drafter):
 
 class LookupChooser(DraftLengthChooser):
     """Adaptive k for drafts that cost a lookup (see the module docstring): DraftLengthChooser's acceptance estimate
-    (aged by tokens) and cost model, with a plain step (k = 0, speedup 1.0 by definition) among the choices, and
-    `observe` for lookups that were checked without being drafted."""
+    (aged by tokens) and cost model, the running hit rate of lookups (`looked`), a plain step (k = 0, speedup 1.0 by
+    definition) among the choices, and `observe` for lookups that were checked without being drafted."""
+
+    def __init__(self, k_max: int, costs: Costs | None = None, prior: tuple[float, float] = (3.0, 2.0),
+                 decay: float = 0.95):
+        super().__init__(k_max, costs, prior, decay)
+        self.hits, self.misses = 1.0, 1.0  # pseudo-counts: a prior hit rate of 0.5
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def looked(self, found: bool) -> None:
+        """A lookup found a draft, or nothing (decayed per lookup, as the acceptance is per checked token)."""
+        self.hits = self.hits * self.decay + found
+        self.misses = self.misses * self.decay + (not found)
 
     def scores(self) -> list[float]:
-        """Predicted speedup over plain decoding for k = 0..k_top (k = 0: a plain step)."""
-        c, a = self.costs, self.acceptance
+        """Predicted speedup over plain decoding, over all steps, for k = 0..k_top (k = 0: a plain step): a share h
+        of steps find a draft and make a round, the others are plain steps (the bench's predicted speedup)."""
+        c, a, h = self.costs, self.acceptance, self.hit_rate
         top = min(self.k_max, len(c.C) - 1)
-        return [1.0] + [c.predicted_speedup(k, expected_emitted(a, k)) for k in range(1, top + 1)]
+        return [1.0] + [(h * expected_emitted(a, k) + 1 - h) / (h * (c.C[k] + k * c.c + c.r) + 1 - h)
+                        for k in range(1, top + 1)]
 
     def choose(self) -> int:
         if self.costs is None:

@@ -15,6 +15,7 @@ import numpy as np
 import pexpect
 import pytest
 
+from snapspec import SnapspecError
 from snapspec.runtime import ChatSession, Context, final_text, generate, load
 from snapspec.runtime.chat import chat_format, common_prefix, conversation_ids, prompt_ids
 
@@ -40,10 +41,16 @@ def _fresh(target, messages, max_new_tokens):
     return generate(target, messages, max_new_tokens=max_new_tokens)
 
 
-def test_chat_repl_three_turns(pair):
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_chat_repl_three_turns(pair, drafter):
+    """With the drafter model, and with n-gram lookup (1..3-grams, so that a random model's replies find drafts)."""
     t_dir, d_dir = pair
-    p = _spawn(["chat", "--target", str(t_dir), "--drafter", str(d_dir), "--system", "Be brief.",
+    drafting = ["--drafter", str(d_dir)] if drafter == "model" else ["--drafter", "ngram", "--ngram-min", "1",
+                                                                     "--ngram-max", "3"]
+    p = _spawn(["chat", "--target", str(t_dir), *drafting, "--system", "Be brief.",
                 "--max-new-tokens", "12", "--draft-max", "3", "--threads", "1"])
+    p.expect(r"snapspec chat: \S+ \+ drafter (\S+( 1-3)?),")
+    assert p.match.group(1) == (d_dir.name if drafter == "model" else "ngram 1-3")
     p.expect("> ")
     replies, turns = [], []
     for text in USER:
@@ -76,6 +83,7 @@ def test_chat_repl_three_turns(pair):
         prefilled, reused = int(prefilled), int(reused)
         assert int(n) == i + 1 and int(tokens) == len(fresh[i].tokens) and prefilled + reused == len(prompts[i])
         assert "acceptance" in rest and "rollback" in rest  # the drafter ran
+        assert ("lookups" in rest) == (drafter == "ngram")
         if i == 0:
             assert reused == 0
             continue
@@ -139,6 +147,33 @@ def test_mark_returns_to_the_conversation_before_the_generation_prompt(chat_expo
                 assert np.allclose(got[name], want[name], rtol=1e-4, atol=1e-5), name
         previous = session.messages[:-1]
     assert session.totals.turns == 3
+
+
+@pytest.mark.parametrize("draft_max", [2, "auto"])
+def test_ngram_session_looks_up_over_the_whole_conversation(chat_export, draft_max):
+    """A ChatSession drafting by n-gram lookup (ChatML: turns return to the mark): every reply equals a fresh plain
+    generation of the conversation; after each turn the drafter's index holds that turn's whole sequence (every
+    earlier turn, the new prompt, the reply so far) and equals an index built afresh from it, although it was only
+    extended and cut back across turns; the lookups found drafts."""
+    from snapspec.runtime.ngram import NgramDrafter, NgramIndex
+
+    target = load(chat_export("qwen3_5_text", "chatml"), threads=1)
+    session = ChatSession(target, "ngram", system="Be brief.", max_new_tokens=10, draft_max=draft_max)
+    drafter = session.drafter
+    assert isinstance(drafter, NgramDrafter) and session.cache.dctx is None
+    for text in USER + USER[:1]:
+        reply = "".join(session.reply(text))
+        gen = session.last
+        assert reply == final_text(_fresh(target, session.messages[:-1], 10))
+        idx = drafter.index
+        assert len(gen.prompt) <= len(idx.seq) <= len(gen.seq) and idx.seq == gen.seq[:len(idx.seq)]
+        fresh = NgramIndex(idx.n_min, idx.n_max)
+        fresh.extend(idx.seq)
+        assert idx._ends == fresh._ends
+    t = session.totals
+    assert t.turns == 4 and t.lookups > 0 and t.lookup_hits > 0 and t.drafted > 0
+    with pytest.raises(SnapspecError, match="drafter"):
+        ChatSession(target, "ngram-ish")
 
 
 def test_generate_chat_flags(pair, tmp_path):

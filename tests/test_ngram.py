@@ -289,8 +289,30 @@ def test_lookup_chooser():
     costs = Costs(C=[1.0, 1.05, 1.09, 1.12, 1.15, 1.2, 1.25, 1.3, 1.36], c=0.001, r=0.05)
     ch = LookupChooser(8, costs)
     a = ch.acceptance
-    assert ch.scores()[0] == 1.0
-    assert np.allclose(ch.scores()[1:], [expected_emitted(a, k) / (costs.C[k] + k * 0.001 + 0.05) for k in range(1, 9)])
+    assert ch.scores()[0] == 1.0 and ch.hit_rate == 0.5
+    assert np.allclose(ch.scores()[1:], [(0.5 * expected_emitted(a, k) + 0.5) / (0.5 * (costs.C[k] + k * 0.001 + 0.05)
+                                                                                 + 0.5) for k in range(1, 9)])
+    for _ in range(30):
+        ch.looked(True)
+    assert ch.hit_rate > 0.9 and np.allclose(ch.scores()[1:], [
+        (ch.hit_rate * expected_emitted(a, k) + 1 - ch.hit_rate) /
+        (ch.hit_rate * (costs.C[k] + k * 0.001 + 0.05) + 1 - ch.hit_rate) for k in range(1, 9)])
+
+    # Rare hits: the plain steps between rounds dilute them, and the draft with the largest gain wins over the best
+    # ratio: a longer one. Whether drafting pays at all does not depend on the hit rate.
+    steep = Costs(C=[1.0, 1.3, 1.6, 1.9, 2.2, 2.5, 2.8, 3.1, 3.4], c=0.0, r=0.1)
+    for accepted, rejected in ((3.0, 2.0), (8.0, 2.0), (0.5, 5.0)):
+        chosen = []
+        for found in (True, False):
+            c = LookupChooser(8, steep)
+            c.accepted, c.rejected = accepted, rejected
+            for _ in range(60):
+                c.looked(found)
+            chosen.append(c.choose())
+        often, rarely = chosen
+        assert rarely >= often and (rarely == 0) == (often == 0), (accepted, rejected, chosen)
+    assert chosen == [0, 0]  # acceptance 0.09: nothing pays
+    ch = LookupChooser(8, costs)
 
     def wrong_until_plain(rounds):
         ks = []
@@ -300,7 +322,7 @@ def test_lookup_chooser():
         return ks
 
     ks = wrong_until_plain(30)  # a wasted k = 1 round costs C(2) + r - 1 = 0.1 here: stop below acceptance 0.1
-    assert ks[0] == 4 and ks[-1] == 0 and ks.index(0) < 20, ks
+    assert ks[0] == 5 and ks[-1] == 0 and ks.index(0) < 20, ks  # k = 4 by the ratio alone; hit rate 0.5: 5
     for _ in range(40):
         k = ch.choose()
         ch.update(k, k) if k else ch.observe(True)  # lookups that were not drafted would have been right
@@ -310,21 +332,126 @@ def test_lookup_chooser():
     assert LookupChooser(8, None).choose() == 4  # before the cost model is measured
 
 
-def test_misses_are_plain_steps_and_auto_equals_plain(model):
-    """Lookups of 4..6-grams on a random model's output find nothing: every step is a plain one (no rounds), counted
-    as lookups; adaptive k (its cost model timed on the target alone) gives plain output too."""
+class _Recorder(NgramDrafter):
+    """An NgramDrafter that logs, in one list with the target context's forwards and rollbacks (from the moment the
+    prefill is done), each lookup's outcome and each calibration."""
+
+    def __init__(self, events: list, *args):
+        super().__init__(*args)
+        self.events, self.on = events, False
+
+    def start(self, prompt, **kw):
+        super().start(prompt, **kw)
+        self.on = True
+
+    def available(self, seq, k):
+        found = super().available(seq, k)
+        self.events.append(("lookup", len(seq), k, found))
+        return found
+
+    def measure_costs(self, tctx, n_max, reps=3, tokens=None):
+        self.events.append(("calibrate",))
+        self.on = False  # its own forwards (up to n_max tokens, rolled back) are not decode steps
+        try:
+            return super().measure_costs(tctx, n_max, reps=reps, tokens=tokens)
+        finally:
+            self.on = True
+
+
+def _recorded_run(t, prompt, new_tokens, draft_max, n_min, n_max):
+    from snapspec.runtime import Context, default_mode
+    events: list = []
+    drafter = _Recorder(events, t.vocab_size, n_min, n_max)
+    ctx = Context(t, len(prompt) + new_tokens + 8, mode=default_mode(t), window=8)
+    forward, rollback = ctx.forward, ctx.rollback
+
+    def logged_forward(tokens, keep=None, logits=True):
+        if drafter.on:
+            events.append(("forward", len(tokens), keep))
+        return forward(tokens, keep=keep, logits=logits)
+
+    def logged_rollback(pos):
+        if drafter.on:
+            events.append(("rollback",))
+        return rollback(pos)
+
+    ctx.forward, ctx.rollback = logged_forward, logged_rollback
+    g = Generator(t, prompt, drafter=drafter, max_new_tokens=new_tokens, draft_max=draft_max, stop_at_eos=False,
+                  target_ctx=ctx)
+    g.run()
+    return g, events
+
+
+@pytest.mark.parametrize("draft_max", [8, "auto"])
+def test_a_missed_lookup_costs_one_plain_step(model, draft_max):
+    """Every target forward after the prefill is logged: a step whose lookup drafted nothing feeds the target one
+    token and keeps one row, and nothing else happens before the next lookup (no verify of more rows, no rollback).
+    Lookups of 4..6-grams on a random model's output all miss: the generation is plain decoding, forward for
+    forward, and adaptive k never times its cost model (forwards of up to W + 1 tokens), which it does only once a
+    lookup finds a draft."""
     t = model("lfm2")
     prompt = t.encode("The quick brown fox")
     plain = Generator(t, prompt, max_new_tokens=30, stop_at_eos=False).run()
-    g = Generator(t, prompt, drafter=NgramDrafter(t.vocab_size, 4, 6), max_new_tokens=30, draft_max=8,
-                  stop_at_eos=False)
+    g, events = _recorded_run(t, prompt, 30, draft_max, 4, 6)
+    assert g.tokens == plain
+    assert g.stats.rounds == 0 and g.stats.lookup_hits == 0 and not g.modes_used
+    assert g.stats.target_forwards == 30 and g.costs is None
+    assert [e for e in events if e[0] != "lookup"] == [("forward", 1, 1)] * 29
+    assert [e[3] for e in events if e[0] == "lookup"] == [0] * len([e for e in events if e[0] == "lookup"])
+
+
+@pytest.mark.parametrize("draft_max", [3, "auto"])
+def test_lookups_that_miss_among_hits_cost_one_step_each(model, draft_max):
+    """1..3-grams on a prompt that repeats itself: some lookups find drafts (rounds of k + 1 rows), others do not;
+    each that drafted nothing is followed by exactly one one-token forward. Adaptive k times its cost model once,
+    after a lookup found something."""
+    t = model("qwen3_5_text")
+    prompt = t.encode(COPY)
+    plain = Generator(t, prompt, max_new_tokens=40, stop_at_eos=False).run()
+    g, events = _recorded_run(t, prompt, 40, draft_max, 1, 3)
+    assert g.tokens == plain and not _lookup_counters(g)
+    lookups = [i for i, e in enumerate(events) if e[0] == "lookup"]
+    misses = [i for i in lookups if events[i][3] == 0]
+    assert misses and g.stats.rounds > 0, (len(misses), g.stats.rounds)
+    for i in misses:
+        assert events[i + 1] == ("forward", 1, 1), events[i:i + 3]
+        assert i + 2 == len(events) or events[i + 2][0] in ("lookup", "calibrate"), events[i:i + 3]
+    for i in lookups:
+        if events[i][3]:  # a round: one verify of k + 1 tokens (the last accepted one and the draft)
+            assert events[i + 1] == ("forward", events[i][3] + 1, events[i][3] + 1), events[i:i + 3]
+    if draft_max == "auto":
+        assert [e for e in events if e[0] == "calibrate"] == [("calibrate",)] and g.costs is not None
+        assert len(g.costs.C) == 9 and g.costs.c < 0.05
+
+
+def test_adaptive_k_stops_drafting_when_found_drafts_are_wrong(model):
+    """Lookups that always find a draft, and a draft that is always wrong (one token off what the target decodes):
+    with a fixed cost model (pair-a-like, so the choices do not depend on timing) adaptive k pays a few short wasted
+    rounds, then takes plain steps, checking each lookup's first token for free, to the end. Counted in target
+    forwards and rows fed, not time."""
+    from snapspec.runtime.adaptive import Costs
+    t = model("qwen3_5_text")
+    prompt = t.encode(COPY)
+    plain = Generator(t, prompt, max_new_tokens=60, stop_at_eos=False).run()
+
+    class WrongDrafter(NgramDrafter):
+        def available(self, seq, k):
+            self.index.lookup = lambda k: [(plain[len(seq) - len(prompt)] + 1) % t.vocab_size] * k
+            return super().available(seq, k)
+
+    costs = Costs(C=[1.0, 1.15, 1.26, 1.32, 1.49, 1.67, 1.9, 2.0, 2.1], c=1e-4, r=0.05)
+    events: list = []
+    drafter = WrongDrafter(t.vocab_size)
+    g = Generator(t, prompt, drafter=drafter, max_new_tokens=60, draft_max="auto", stop_at_eos=False, costs=costs)
+    forward = g.tctx.forward
+    g.tctx.forward = lambda tokens, keep=None, logits=True: events.append(len(tokens)) or forward(tokens, keep, logits)
     assert g.run() == plain
-    assert g.stats.rounds == 0 and g.stats.lookups == 28 and g.stats.lookup_hits == 0  # the last step: no room
-    assert g.stats.target_forwards == 30 and not g.modes_used
-    auto = Generator(t, t.encode(COPY), drafter="ngram", max_new_tokens=30, draft_max="auto", stop_at_eos=False)
-    assert auto.run() == Generator(t, t.encode(COPY), max_new_tokens=30, stop_at_eos=False).run()
-    assert auto.costs is not None and auto.costs.c < 0.05 and len(auto.costs.C) == 9
-    assert not _lookup_counters(auto)
+    s = g.stats
+    assert s.accepted == 0 and 0 < s.rounds <= 10 and s.lookups == s.rounds, (s.rounds, s.lookups)
+    rows = events[1:]  # after the prefill: one forward per round or plain step
+    assert len(rows) == s.rounds + (len(plain) - 1 - s.rounds) and sum(rows) - len(rows) == s.drafted
+    assert all(n > 1 for n in rows[:s.rounds]) and rows[s.rounds:] == [1] * (len(rows) - s.rounds)  # then off
+    assert s.drafted <= 20
 
 
 # -- the command line ------------------------------------------------------------------------------------------------

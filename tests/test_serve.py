@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -24,12 +25,11 @@ SNAPSPEC = str(Path(sys.executable).parent / "snapspec")
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def server(chat_export, tmp_path_factory):
-    t_dir, d_dir = chat_export("qwen3_5_text", "lfm2"), chat_export("lfm2", "lfm2")  # two hybrids
-    log = tmp_path_factory.mktemp("serve") / "server.log"
+@contextmanager
+def _serving(log: Path, t_dir: Path, *drafting: str):
+    """A `snapspec serve` process on a free port, until the block ends; then it must stop cleanly."""
     with open(log, "w") as err:
-        proc = subprocess.Popen([SNAPSPEC, "serve", "--target", str(t_dir), "--drafter", str(d_dir), "--port", "0",
+        proc = subprocess.Popen([SNAPSPEC, "serve", "--target", str(t_dir), *drafting, "--port", "0",
                                  "--threads", "1", "--draft-max", "3", "--max-new-tokens", str(MAX_TOKENS)],
                                 stdout=subprocess.DEVNULL, stderr=err)
     try:
@@ -52,6 +52,13 @@ def server(chat_export, tmp_path_factory):
             proc.wait()
     # uvicorn shuts down gracefully on SIGTERM, then exits by the signal
     assert proc.returncode in (0, -signal.SIGTERM) and "Traceback" not in log.read_text(), log.read_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def server(chat_export, tmp_path_factory):
+    t_dir, d_dir = chat_export("qwen3_5_text", "lfm2"), chat_export("lfm2", "lfm2")  # two hybrids
+    with _serving(tmp_path_factory.mktemp("serve") / "server.log", t_dir, "--drafter", str(d_dir)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +199,25 @@ def test_a_client_that_disconnects_frees_the_queue(server, client):
     assert r.choices[0].finish_reason in ("stop", "length")
     health = _health(server)
     assert "one request at a time per model" in health["scheduling"]
+
+
+def test_ngram_drafting_equals_plain_greedy(chat_export, tmp_path, target):
+    """`serve --drafter ngram`: chat replies (plain and streamed) and a conversation's second turn equal plain
+    greedy decoding; the lookups are counted in the response's snapspec field; the server names its drafter."""
+    t_dir = chat_export("qwen3_5_text", "lfm2")
+    with _serving(tmp_path / "ngram.log", t_dir, "--drafter", "ngram", "--ngram-min", "1", "--ngram-max", "3") as srv:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv['port']}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        messages = [{"role": "user", "content": "for i in range(10): for i in range(10):"}]
+        for turn in range(2):
+            want = final_text(generate(target, messages, max_new_tokens=MAX_TOKENS))
+            r = client.chat.completions.create(model=srv["model"], messages=messages)
+            assert r.choices[0].message.content == want
+            spec = r.model_extra["snapspec"]
+            assert spec["lookups"] > 0 and spec["lookup_hits"] > 0 and spec["rounds"] > 0
+            streamed = client.chat.completions.create(model=srv["model"], messages=messages, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in streamed) == want
+            messages += [{"role": "assistant", "content": want}, {"role": "user", "content": "again"}]
+        assert spec["prompt_reused"] > 0
+        assert _health(srv)["models"][0]["drafter"] == "ngram 1-3"
+        assert "drafter ngram 1-3" in srv["log"].read_text()

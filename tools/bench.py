@@ -172,7 +172,8 @@ def run_bench(target, drafters, prompts: list[str], ks: list[int], *, max_new_to
         raise SnapspecError(f"the target's {tctx.mode} rollback undoes at most {tctx.depth} draft tokens; bench k up "
                             f"to {tctx.depth}")
 
-    # The cost model's terms of each drafter, on contexts prefilled with the first prompt.
+    # The cost model's terms of each drafter, on contexts prefilled with the first prompt, for every draft length up
+    # to the window: adaptive k chooses among all of them, as in a generation, whichever fixed k are listed.
     all_costs = []
     for d, dctx in zip(drafters, dctxs):
         tctx.reset()
@@ -183,7 +184,7 @@ def run_bench(target, drafters, prompts: list[str], ks: list[int], *, max_new_to
             d = ModelDrafter(dctx)
         else:
             d.start(ids[0], sampling=SamplingParams(), rng=np.random.default_rng(0), stats=Stats())
-        all_costs.append(d.measure_costs(tctx, max(ks) + 1, reps=9, tokens=(ids[0] * 9)[: max(ks) + 1]))
+        all_costs.append(d.measure_costs(tctx, window + 1, reps=9, tokens=(ids[0] * (window + 1))[: window + 1]))
 
     modes = ["auto", "checkpoint"] if rollback == "both" else [rollback]
     configs = []

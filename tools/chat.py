@@ -13,7 +13,7 @@ from pathlib import Path
 
 from snapspec import SnapspecError
 
-from .options import add_generation_flags, generation_kwargs, interruptible
+from .options import add_drafter_flags, add_generation_flags, drafter_label, generation_kwargs, interruptible
 
 HELP = "/reset forgets the conversation, /stats shows totals, /exit leaves; Ctrl-C stops a reply, Ctrl-D leaves"
 
@@ -21,7 +21,7 @@ HELP = "/reset forgets the conversation, /stats shows totals, /exit leaves; Ctrl
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("chat", help="talk to a model turn by turn (chat template, state kept between turns)")
     p.add_argument("--target", type=Path, required=True, help="exported folder of the chat model")
-    p.add_argument("--drafter", type=Path, help="exported folder of a small model with the same vocabulary")
+    add_drafter_flags(p)
     p.add_argument("--system", help="system message at the start of the conversation")
     p.add_argument("--no-chat-template", action="store_true",
                    help="no template: the conversation is its messages' text joined, and the model continues it")
@@ -37,7 +37,7 @@ def run(args) -> int:
     target, drafter = load_models(args, args.target, args.drafter)
     session = ChatSession(target, drafter, system=args.system, raw=args.no_chat_template, context=args.context,
                           **generation_kwargs(args))
-    _note(f"snapspec chat: {target.folder.name}" + (f" + drafter {drafter.folder.name}" if drafter else "")
+    _note(f"snapspec chat: {target.folder.name}" + (f" + drafter {drafter_label(drafter)}" if drafter else "")
           + f", context {session.context_length} tokens, {'no template' if args.no_chat_template else 'chat template'}"
           + f". {HELP}")
     try:
@@ -112,6 +112,8 @@ def _turn_line(session) -> str:
              f"prompt {s.prompt_prefilled} prefilled + {s.prompt_reused} reused"]
     if s.decode_tokens_per_s:
         parts.append(f"{s.decode_tokens_per_s:.1f} tok/s")
+    if s.lookups:
+        parts.append(f"lookups {s.lookup_hits}/{s.lookups} found a draft")
     if s.drafted:
         parts.append(f"acceptance {s.acceptance:.2f}")
         parts.append("rollback " + (", ".join(f"{k} x{v}" for k, v in sorted(s.rollbacks.items())) or "none"))
@@ -124,6 +126,8 @@ def _totals(session) -> str:
     parts = [f"{t.turns} turns", f"{t.new_tokens} tokens generated",
              f"prompt tokens {t.prompt_prefilled} prefilled + {t.prompt_reused} reused",
              f"{len(session.messages)} messages", f"context {session.tctx.n_past}/{session.context_length}"]
+    if t.lookups:
+        parts.append(f"lookups {t.lookup_hits}/{t.lookups} found a draft")
     if t.drafted:
         parts.append(f"acceptance {t.acceptance:.2f} ({t.accepted}/{t.drafted})")
         parts.append("rollback " + ", ".join(f"{k} x{v}" for k, v in sorted(t.rollbacks.items())))

@@ -184,10 +184,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def snapspec_field(gen) -> dict:
     """The speculation counters of one generation (an extension beside `usage`)."""
     s = gen.stats
-    return {"acceptance": s.acceptance, "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
-            "rollbacks": dict(s.rollbacks), "prompt_prefilled": s.prompt_prefilled, "prompt_reused": s.prompt_reused,
-            "decode_tokens_per_s": s.decode_tokens_per_s,
-            "stop_reason": gen.stop_reason}
+    out = {"acceptance": s.acceptance, "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
+           "rollbacks": dict(s.rollbacks), "prompt_prefilled": s.prompt_prefilled, "prompt_reused": s.prompt_reused,
+           "decode_tokens_per_s": s.decode_tokens_per_s,
+           "stop_reason": gen.stop_reason}
+    if s.lookups:  # n-gram drafting: steps whose lookup found a draft (the others were plain steps)
+        out.update(lookups=s.lookups, lookup_hits=s.lookup_hits)
+    return out
 
 
 def completion(job, text: str) -> dict:

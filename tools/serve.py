@@ -1,4 +1,5 @@
-"""`snapspec serve`: an OpenAI-compatible HTTP server (starlette + uvicorn) over one target (and a drafter).
+"""`snapspec serve`: an OpenAI-compatible HTTP server (starlette + uvicorn) over one target (and a drafter model, or
+n-gram drafting: `--drafter ngram`).
 
 POST /v1/chat/completions and /v1/completions, each streamed as server-sent events with "stream": true; GET
 /v1/models and /health. Request checking and response shapes live in openai_api.py.
@@ -26,7 +27,7 @@ from pathlib import Path
 from snapspec import SnapspecError
 
 from . import openai_api as api
-from .options import add_generation_flags, generation_kwargs
+from .options import add_drafter_flags, add_generation_flags, drafter_label, generation_kwargs
 
 SCHEDULING = "one request at a time per model, first come first served, from a queue"
 _DONE = object()
@@ -35,7 +36,7 @@ _DONE = object()
 def add_parser(sub, runtime_flags):
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat and text completions, streaming)")
     p.add_argument("--target", type=Path, required=True, help="exported folder of the model to serve")
-    p.add_argument("--drafter", type=Path, help="exported folder of a small model with the same vocabulary")
+    add_drafter_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
     p.add_argument("--model-id", default=None, help="the model's name in the API (default: the target folder's name)")
@@ -66,8 +67,9 @@ class Worker:
     """One model's queue: a single thread runs the jobs in order over contexts it keeps between them."""
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict):
-        from snapspec.runtime.chat import PromptCache, chat_format
+        from snapspec.runtime.chat import PromptCache, chat_format, session_drafter
 
+        drafter = session_drafter(target, drafter)  # an n-gram drafter serves every request, in queue order
         self.target, self.drafter, self.model_id, self.raw, self.defaults = target, drafter, model_id, raw, defaults
         self.format = chat_format(target)
         if not raw and not self.format.has_template:
@@ -173,7 +175,7 @@ class Worker:
         with self._lock:
             counts = dict(self.counts)
         return {"id": self.model_id, "context_length": self.context_length,
-                "drafter": self.drafter.folder.name if self.drafter else None, "queue": counts}
+                "drafter": drafter_label(self.drafter) if self.drafter else None, "queue": counts}
 
 
 def _log(message: str) -> None:
@@ -228,7 +230,7 @@ def build_app(worker: Worker):
         return JSONResponse({"object": "list", "data": [
             {"id": worker.model_id, "object": "model", "created": int(worker.target.folder.stat().st_mtime),
              "owned_by": "snapspec", "context_length": worker.context_length,
-             "drafter": worker.drafter.folder.name if worker.drafter else None}]})
+             "drafter": drafter_label(worker.drafter) if worker.drafter else None}]})
 
     async def health(request):
         return JSONResponse({"status": "ok", "scheduling": SCHEDULING, "models": [worker.health()]})
@@ -301,7 +303,7 @@ def run(args) -> int:
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     _log(f"serving {worker.model_id} on http://{url_host}:{port}/v1 (context {worker.context_length}"
-         + (f", drafter {drafter.folder.name}" if drafter else "") + f"); {SCHEDULING}; Ctrl-C stops")
+         + (f", drafter {drafter_label(drafter)}" if drafter else "") + f"); {SCHEDULING}; Ctrl-C stops")
     config = uvicorn.Config(build_app(worker), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=2)
     try:
