@@ -1,5 +1,5 @@
-"""The speculative round (design.md): draft k tokens, verify [t0, d1..dk] in one target forward, accept a prefix,
-emit it plus one target token, roll both sides back to the accepted position.
+"""The speculative round (README, "How a speculative round works"): draft k tokens, verify [t0, d1..dk] in one
+target forward, accept a prefix, emit it plus one target token, roll both sides back to the accepted position.
 
 The round knows the target's Context and a Drafter (drafters.py), not what drafts. A bounded round rolls back in
 place (truncate, replay, ring, window); a round that bounded rollback cannot serve (`bounded=False`: a draft longer

@@ -1,4 +1,4 @@
-"""`snapspec bench`: plain vs speculative decoding, measured as benchmarks.md asks.
+"""`snapspec bench`: plain vs speculative decoding, measured as BENCHMARKS.md "How we measure" states.
 
 Decode only (prefill timed apart), the same prompts and token counts, plain decoding bracketing the speculative runs
 (A B A) in every repetition, median/min/max over repetitions, the speculative text checked against the plain text in
@@ -41,7 +41,8 @@ def bracket_drift(before: float, after: float) -> float:
 
 
 def quotable(speedup: float, drift: float) -> bool:
-    """benchmarks.md: a figure whose effect is smaller than the plain-vs-plain drift is not quoted."""
+    """BENCHMARKS.md, "How we measure": a figure whose effect is smaller than the plain-vs-plain drift is not
+    quoted."""
     return abs(speedup - 1.0) > drift
 
 
