@@ -31,8 +31,12 @@ class Costs:
     r: float
     step_seconds: float = 0.0  # the unit: one target forward of one token
 
-    def predicted_speedup(self, k: int, emitted: float) -> float:
-        return emitted / (self.C[k] + k * self.c + self.r)  # C[k] is C(k+1): the list starts at n = 1
+    def predicted_speedup(self, k: int, emitted: float, hit: float = 1.0) -> float:
+        """emitted / (C(k+1) + k*c + r). With a draft source that may find nothing (n-gram lookup), a share 1 - hit
+        of the steps are plain ones, each emitting 1 token for 1 unit:
+        (hit*emitted + 1 - hit) / (hit*(C(k+1) + k*c + r) + 1 - hit)."""
+        cost = self.C[k] + k * self.c + self.r  # C[k] is C(k+1): the list starts at n = 1
+        return (hit * emitted + 1 - hit) / (hit * cost + 1 - hit)
 
 
 def best_k(costs: Costs, a: float, k_max: int) -> int:

@@ -232,8 +232,7 @@ class LookupChooser(DraftLengthChooser):
         of steps find a draft and make a round, the others are plain steps (the bench's predicted speedup)."""
         c, a, h = self.costs, self.acceptance, self.hit_rate
         top = min(self.k_max, len(c.C) - 1)
-        return [1.0] + [(h * expected_emitted(a, k) + 1 - h) / (h * (c.C[k] + k * c.c + c.r) + 1 - h)
-                        for k in range(1, top + 1)]
+        return [1.0] + [c.predicted_speedup(k, expected_emitted(a, k), h) for k in range(1, top + 1)]
 
     def choose(self) -> int:
         if self.costs is None:

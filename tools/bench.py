@@ -47,10 +47,10 @@ def quotable(speedup: float, drift: float) -> bool:
 
 
 def predicted_speedup(C: list[float], c: float, r: float, k: int, m: float, hit: float = 1.0) -> float:
-    """m / (C(k+1) + k*c + r), C listed from n = 1. With a drafter that may find no draft (n-gram lookup), a share
-    1 - hit of the steps are plain ones, each emitting 1 token for 1 unit:
-    (hit*m + 1 - hit) / (hit*(C(k+1) + k*c + r) + 1 - hit)."""
-    return (hit * m + 1 - hit) / (hit * (C[k] + k * c + r) + 1 - hit)
+    """m / (C(k+1) + k*c + r), C listed from n = 1, diluted by plain steps when a lookup may miss (adaptive.Costs)."""
+    from snapspec.runtime.adaptive import Costs
+
+    return Costs(list(C), c, r).predicted_speedup(k, m, hit)
 
 
 def rollback_share(C: list[float], c: float, r: float, k: int) -> float:

@@ -1,8 +1,9 @@
 """Recurrent state in two slots plus the last forward's rollback data, for the target.
 
-The forward also returns, per token, the inputs of the state transition (the input projection's conv and gate
-columns), packed as rollback_data [1, T, width]. Returning to a position inside the last forward runs the replay graph over the accepted
-prefix of that data, from the saved start state: no weights of the big model touched. A position a slot holds (the
+The forward also returns, per token of its first W, the inputs of the state transition (the input projection's conv
+and gate columns), packed as rollback_data [1, min(T, W), width]. Returning to a position inside the last forward
+runs the replay graph over the accepted prefix of that data, from the saved start state: no weights of the big model
+touched. A position a slot holds (the
 start of the last forward, or its end) is a pick, as in a ring.
 """
 
