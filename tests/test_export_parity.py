@@ -273,6 +273,28 @@ def test_int4_embedding_shares_the_tied_head(model_type, tied, ort_model):
     assert max(sizes.values()) <= VOCAB * 96 // 2, "a table larger than int4 remains"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tied_dense_head_storage(dtype, ort_model):
+    """A tied unquantized head: float16 reads the embedding table through Gemm(transB) (one table in the file and on
+    a GPU); float32 keeps a transposed copy for a MatMul (CPU prepacking would keep a shared table resident beside
+    its packed copy). The logits of both are checked against transformers / fp32 by test_prefill and test_fp16."""
+    import onnx
+
+    o = ort_model("qwen3_5_text", dtype=dtype)
+    g = onnx.load(str(o.manifest.graph_path("forward")), load_external_data=False).graph
+    table = next(n for n in g.node if n.op_type == "Gather" and n.name.startswith("/model/embed_tokens")).input[0]
+    head = [n for n in g.node if n.name.startswith("/lm_head/") and n.op_type in ("Gemm", "MatMul")]
+    assert len(head) == 1
+    if dtype == "float16":
+        assert head[0].op_type == "Gemm" and head[0].input[1] == table
+    else:
+        assert head[0].op_type == "MatMul" and head[0].input[1] != table
+    hidden = next(t.dims[1] for t in g.initializer if t.name == table)
+    tables = [t.name for t in g.initializer if sorted(t.dims) == sorted([VOCAB, hidden])
+              and t.name.startswith(("/model/embed_tokens/", "/lm_head/"))]
+    assert len(tables) == (1 if dtype == "float16" else 2), tables
+
+
 VARIANTS = [("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
             ("lfm2", dict(conv_bias=True, tie_word_embeddings=False)),
             ("qwen3_next", dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])),
