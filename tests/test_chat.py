@@ -114,6 +114,7 @@ def test_chat_ctrl_c_stops_the_turn_not_the_session(pair):
     assert p.match.group(1) == "2" and int(p.match.group(5)) > 0  # reused the first turn
     p.expect("> ")
     p.send("half a line")
+    p.expect("half a line")  # echoed: the prompt is reading (a ^C queued before that could be flushed with the line)
     p.sendintr()  # Ctrl-C at the prompt drops the line and prompts again
     p.expect("> ")
     p.sendline("/exit")
