@@ -45,12 +45,14 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            because the CPU is the default provider: onnxruntime's CPU kernels upcast float16 weights at load (same
            memory, same speed as float32, measured) and float16 activations flip near-ties, which breaks greedy
            speculative == greedy plain on Qwen3.5. CUDA needs float16. BENCHMARKS.md, "Export at real size".
-    quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the embedding table is stored in
-           float16, the output projection is quantized even when tied).
-    embedding_dtype: float16 | float32, how the token embedding table is stored (default: under int4, int4 read
-           by GatherBlockQuantized when the hidden size is a multiple of the block size, else float16; without
-           int4, the export dtype). float32 with int4 gives a graph with no float16 tensor, which WebGPU adapters
-           without shader-f16 (SwiftShader, some older GPUs) need in the browser.
+    quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the output projection is quantized even
+           when tied; the embedding table as `embedding_dtype` says).
+    embedding_dtype: int4 | float16 | float32, how the token embedding table is stored. Default: under float32 +
+           int4 (the CPU path), int4 read by GatherBlockQuantized when the hidden size is a multiple of the block
+           size (a tied output projection then reads the same bytes), else float16; under float16 + int4 (the GPU
+           path), float16, because onnxruntime-gpu's GatherBlockQuantized gives wrong results (runtime/model.py);
+           without int4, the export dtype. float32 with int4 gives a graph with no float16 tensor, which WebGPU
+           adapters without shader-f16 (SwiftShader, some older GPUs) need in the browser.
     int4_accuracy: MatMulNBits accuracy level, 1 (float32 math) or 4 (int8 activations); default: 4 for float32
            exports (the CPU path), 1 for float16. onnxruntime-web computes in float32: export level 1 for a page
            whose results must equal Python onnxruntime's.
@@ -68,8 +70,12 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     if dtype not in ("float32", "float16"):
         raise SnapspecError(f"unsupported dtype {dtype!r}: use fp32 or fp16")
     embedding_dtype = {"fp32": "float32", "fp16": "float16"}.get(embedding_dtype, embedding_dtype)
-    if embedding_dtype not in (None, "float32", "float16"):
-        raise SnapspecError(f"unsupported embedding dtype {embedding_dtype!r}: use fp32 or fp16")
+    if embedding_dtype not in (None, "int4", "float32", "float16"):
+        raise SnapspecError(f"unsupported embedding dtype {embedding_dtype!r}: use int4, fp32 or fp16")
+    if embedding_dtype == "int4" and quant != "int4":
+        raise SnapspecError("--embedding-dtype int4 needs --quant int4")
+    if embedding_dtype is None and quant == "int4" and dtype == "float16":
+        embedding_dtype = "float16"  # the GPU path: see the docstring
     if quant not in ("none", "int4"):
         raise SnapspecError(f"unsupported quantization {quant!r}: use none or int4")
     if block_size not in (16, 32, 64, 128, 256):
@@ -317,8 +323,9 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
                    "int4_accuracy_level": level if quant == "int4" else None,
                    "embedding_dtype": dec.embedding_storage,
-                   "int4_note": f"embedding table stored as {dec.embedding_storage} (int4: GatherBlockQuantized, a "
-                   "tied output projection reads the same bytes); output projection int4"
+                   "int4_note": f"embedding table stored as {dec.embedding_storage}"
+                   + (" (GatherBlockQuantized; a tied output projection reads the same bytes)"
+                      if dec.embedding_storage == "int4" else "") + "; output projection int4"
                    if quant == "int4" else None},
         "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
                      "python": sys.version.split()[0]},

@@ -89,7 +89,7 @@ class Decoder:
     state: list[StateEntry] = field(default_factory=list)
     rollback: list[RollbackEntry] = field(default_factory=list)
     _rollback_values: list[tuple[str, int, int | None]] = field(default_factory=list)  # (tensor, first, end col)
-    embedding_dtype: str | None = None  # asked storage of the embedding table: float16 | float32 (None: see embed)
+    embedding_dtype: str | None = None  # asked storage of the embedding table: int4 | float16 | float32 (None: see embed)
     embedding_storage: str | None = None  # what embed() stored: int4 | float16 | float32
 
     # -- inputs ------------------------------------------------------------------------------------------------
@@ -587,7 +587,7 @@ class Decoder:
         self._embed_q4 = self._embed_dense = None
         n, k = table.shape
         with g.scope("model/embed_tokens"):
-            if self.embedding_dtype is None and g.quantizes(k):
+            if self.embedding_dtype in (None, "int4") and g.quantizes(k):
                 packed, scales, zeros = quantize_int4(table, g.block_size)
                 kb = k // g.block_size
                 # GatherBlockQuantized wants scales and zero points of the data's rank, (N, kb, 1) for blocks of
@@ -601,8 +601,10 @@ class Decoder:
                 self._embed_q4 = (table, data, scales, zeros)
                 self.embedding_storage = "int4"
                 return g.reshape(rows, [0, 0, k], "rows")
-            stored = np.dtype(np.float16 if self.embedding_dtype == "float16" else np.float32) \
-                if self.embedding_dtype else np.dtype(np.float16) if g.quant == "int4" else g.np_dtype
+            if self.embedding_dtype == "int4":
+                raise SnapspecError(f"an int4 embedding needs a hidden size that is a multiple of the block size "
+                                    f"{g.block_size}, got {k}: use --embedding-dtype fp16 or fp32")
+            stored = np.dtype(self.embedding_dtype or ("float16" if g.quant == "int4" else g.np_dtype))
             self.embedding_storage = str(stored)
             self._embed_dense = None
             if stored != g.np_dtype:

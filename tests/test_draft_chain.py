@@ -131,9 +131,12 @@ def test_cuda_refuses_an_int4_embedding(tiny_export):
     from snapspec.runtime.genai_folder import read_manifest
     from snapspec.runtime.model import _check_cuda_support
 
-    m = read_manifest(tiny_export("qwen3_5_text", dtype="float16", quant="int4", block_size=16), True)
+    m = read_manifest(tiny_export("qwen3_5_text", dtype="float16", quant="int4", block_size=16,
+                                  embedding_dtype="int4"), True)
     assert m.data["export"]["embedding_dtype"] == "int4"
     with pytest.raises(SnapspecError, match="--embedding-dtype fp16"):
         _check_cuda_support(m)
-    _check_cuda_support(read_manifest(tiny_export("qwen3_5_text", dtype="float16", quant="int4", block_size=16,
-                                                  embedding_dtype="fp16"), True))
+    # the float16 + int4 default (the GPU path) stores a float16 table, which CUDA runs
+    default = read_manifest(tiny_export("qwen3_5_text", dtype="float16", quant="int4", block_size=16), True)
+    assert default.data["export"]["embedding_dtype"] == "float16"
+    _check_cuda_support(default)

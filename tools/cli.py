@@ -45,10 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--int4-accuracy", type=int, choices=[1, 4], default=None,
                    help="MatMulNBits accuracy level: 4 = int8 activations (default for fp32: fastest on CPU), 1 = "
                         "float32 math (default for fp16; what onnxruntime-web computes)")
-    p.add_argument("--embedding-dtype", choices=["fp16", "fp32"], default=None,
-                   help="storage of the token embedding table (default: int4 under --quant int4 where the hidden "
-                        "size allows, else fp16 under int4, else --dtype); fp32 with int4 leaves no float16 tensor, "
-                        "for WebGPU adapters without shader-f16 (browser)")
+    p.add_argument("--embedding-dtype", choices=["int4", "fp16", "fp32"], default=None,
+                   help="storage of the token embedding table (default: int4 under --dtype fp32 --quant int4 where "
+                        "the hidden size allows, fp16 under --dtype fp16 --quant int4 (CUDA cannot run the int4 "
+                        "table), else --dtype); fp32 with int4 leaves no float16 tensor, for WebGPU adapters "
+                        "without shader-f16 (browser)")
     p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
     p.add_argument("--max-context", type=positive_int, default=None,
                    help="positions the graph supports (default: the config's, at most 32768)")
