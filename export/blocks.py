@@ -4,7 +4,8 @@ Every block that owns state registers it once, as data (`StateEntry`), in the la
 runtime's allocator, the tests and `snapspec info` all read that table and nothing else:
 
     kv          [batch, kv_heads, context, head_dim]     one shared past/present buffer (GroupQueryAttention)
-    conv        [batch, kernel - 1, channels]            the last kernel-1 conv inputs, sequence-major
+    conv        [batch, kernel - 1, channels]            the last kernel-1 conv inputs, sequence-major, in the
+                                                         export dtype (Gated DeltaNet: float32 always)
     recurrent   [batch, heads, key_dim, value_dim]       matrix state, float32: the gated delta rule's, or Mamba2's
                                                          [batch, heads, d_state, head_dim] (transformers keeps
                                                          [batch, heads, head_dim, d_state]: the transpose)
@@ -23,8 +24,8 @@ k-row == one-row property the runtime relies on), so the replay sees exactly wha
 step copies one slice per layer instead of one per transition input.
 
 Kernels per step are what a small model's step costs on a GPU (one launch per node in a captured CUDA graph), so
-the blocks prefer one node over several: the L2 norms of q and k are one SimplifiedLayerNormalization, float16
-exports cast the conv output up once rather than q, k and v apiece.
+the blocks prefer one node over several: the L2 norms of q and k are one SimplifiedLayerNormalization, and a
+float16 Gated DeltaNet layer casts twice (its input projection's output up, its gated norm's output down).
 """
 
 from __future__ import annotations
@@ -226,13 +227,15 @@ class Decoder:
         return cos, sin, rotary_dim
 
     # -- recurrent state helpers ------------------------------------------------------------------------------------
-    def _conv_state(self, layer: int, channels: int, kernel: int) -> tuple[str, str]:
+    def _conv_state(self, layer: int, channels: int, kernel: int, elem: int | None = None) -> tuple[str, str]:
+        """elem: the state's element type (default the export dtype; Gated DeltaNet keeps float32, see there)."""
         shape = ["batch", kernel - 1, channels]
-        past = self.fwd.input(f"past_conv_state.{layer}", self.fwd.onnx_dtype, shape)
-        self.replay.input(past, self.replay.onnx_dtype, shape)
+        elem = self.fwd.onnx_dtype if elem is None else elem
+        past = self.fwd.input(f"past_conv_state.{layer}", elem, shape)
+        self.replay.input(past, elem, shape)
         present = f"present_conv_state.{layer}"
-        self.state.append(StateEntry(past, present, "conv", layer, shape, self.dtype_name))
-        self.fwd.output(present, present, self.fwd.onnx_dtype, shape)
+        self.state.append(StateEntry(past, present, "conv", layer, shape, "float32" if elem == F32 else "float16"))
+        self.fwd.output(present, present, elem, shape)
         return past, present
 
     def _rollback_out(self, g: Graph, value: str, layer: int, parts: list[tuple[str, int]], start: int = 0,
@@ -295,14 +298,21 @@ class Decoder:
 
         The input projection's rows are stacked [q k v | b | a | z], so that the conv input and the gate inputs,
         the layer's rollback data, are one slice of its output.
+
+        Between the two projections everything runs in float32, in every export: the recurrence needs it (see
+        _gated_delta), and a float16 export then casts twice per layer, the input projection's output up and the
+        gated norm's output down, where casting the conv output, beta, the decay and the rule's output apiece took
+        four. Its conv state is float32 for that reason (it holds conv inputs, which are float16 values).
         """
         g = self.fwd
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
         proj = g.linear(x, concat([qkv_w, b_w, a_w, z_w]), "in_proj")
-        mixed, b, a, z = g.split(proj, [conv_dim, v_heads, v_heads, v_heads * v_dim], axis=-1, leaf="split_in")
-        conv_weight = conv_w.reshape(conv_dim, 1, kernel)
-        past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
-        conv_out = self._causal_conv(g, mixed, g.const("conv/weight", conv_weight), past_conv, present_conv, "silu")
+        wide = g.op("Cast", [proj], "in_proj_f32", to=F32) if g.onnx_dtype != F32 else proj
+        mixed, b, a, z = g.split(wide, [conv_dim, v_heads, v_heads, v_heads * v_dim], axis=-1, leaf="split_in")
+        conv_weight = np.asarray(conv_w, np.float32).reshape(conv_dim, 1, kernel)
+        past_conv, present_conv = self._conv_state(layer, conv_dim, kernel, F32)
+        conv_out = self._causal_conv(g, mixed, g.const("conv/weight", conv_weight, keep_dtype=True), past_conv,
+                                     present_conv, "silu")
         beta, decay = self._gdn_gates(g, b, a, a_log, dt_bias, v_heads)
         q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim)
         self._rollback_out(g, proj, layer, [("conv_input", conv_dim), ("b", v_heads), ("a", v_heads)],
@@ -316,34 +326,33 @@ class Decoder:
         g.output(present_rec, present_rec, F32, rec_shape)
 
         # Gated RMSNorm per value head, then the output projection.
-        o = g.rms_norm(g.reshape(core, [0, 0, v_heads, v_dim], "o_heads"), norm_w, eps, "norm")
+        o = g.rms_norm(g.reshape(core, [0, 0, v_heads, v_dim], "o_heads"), np.asarray(norm_w, np.float32), eps, "norm",
+                       keep_dtype=True)
         zg = g.silu(g.reshape(z, [0, 0, v_heads, v_dim], "z_heads"), "z_silu")
         o = g.reshape(g.op("Mul", [o, zg], "gate"), [0, 0, v_heads * v_dim], "o_flat")
+        if g.onnx_dtype != F32:
+            o = g.op("Cast", [o], "o_f16", to=g.onnx_dtype)
 
         self._gdn_replay(layer, conv_weight, a_log, dt_bias, k_heads, v_heads, k_dim, v_dim, kernel)
         return g.linear(o, out_w, "out_proj")
 
     def _gdn_gates(self, g: Graph, b: str, a: str, a_log, dt_bias, v_heads: int) -> tuple[str, str]:
-        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)), computed in the export dtype and
-        returned in float32 (see _gated_delta)."""
+        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)) from float32 b and a, in float32."""
         beta = g.op("Sigmoid", [b], "beta")
-        decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
-                             _softplus(g, g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add"), v_heads,
+        decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32)), keep_dtype=True),
+                             _softplus(g, g.op("Add", [a, g.const("dt_bias", np.asarray(dt_bias, np.float32),
+                                                                   keep_dtype=True)], "dt_add"), v_heads,
                                        "Softplus")], "decay")
-        if g.onnx_dtype != F32:
-            beta, decay = (g.op("Cast", [t], f"{n}_f32", to=F32) for t, n in ((beta, "beta"), (decay, "decay")))
         return beta, decay
 
     def _qkv_heads(self, g: Graph, conv_out: str, k_heads: int, v_heads: int, k_dim: int, v_dim: int):
-        """q, k, v in float32 from the conv output: q and k L2-normalised per head and repeated to the value heads
+        """q, k, v from the (float32) conv output: q and k L2-normalised per head and repeated to the value heads
         (each key head serves v_heads / k_heads consecutive value heads).
 
         transformers' l2norm is x * rsqrt(sum(x^2) + 1e-6) (a fixed eps, whatever the config's rms_norm_eps);
         SimplifiedLayerNormalization computes x * rsqrt(sum(x^2) / d + e) * w, the same with e = 1e-6 / d and
         w = 1 / sqrt(d): one node for both norms (q and k heads side by side), where ReduceSumSquare, Add, Sqrt and
-        Div were four apiece. float16 exports cast the conv output once, so the norms run in float32 too."""
-        if g.onnx_dtype != F32:
-            conv_out = g.op("Cast", [conv_out], "conv_f32", to=F32)
+        Div were four apiece."""
         qk, v = g.split(conv_out, [2 * k_heads * k_dim, v_heads * v_dim], axis=-1, leaf="split_qkv")
         rep = v_heads // k_heads
         t = g.reshape(qk, [0, 0, 2, k_heads, 1, k_dim], "qk_heads")
@@ -358,15 +367,13 @@ class Decoder:
     def _gated_delta(self, g: Graph, q, k, v, decay, beta, past, present, v_heads: int, k_dim: int,
                      keep_output: bool = True) -> str | None:
         """The gated delta rule on float32 inputs, always: the state is float32 (fp16 state drifts over long
-        sequences) and the CUDA and WebGPU kernels want the activations in the state's dtype. A float16 export
-        casts its output back; keep_output False (the replay): only the state is kept."""
+        sequences) and the CUDA and WebGPU kernels want the activations in the state's dtype. Returns the float32
+        output; keep_output False (the replay): only the state is kept."""
         out, _ = g.op("LinearAttention", [q, k, v, past, decay, beta], "LinearAttention", n_out=2, domain=MS,
                       outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
                       q_num_heads=v_heads, kv_num_heads=v_heads, update_rule="gated_delta",
                       scale=float(k_dim ** -0.5))
-        if not keep_output:
-            return None
-        return g.op("Cast", [out], "out_f16", to=g.onnx_dtype) if g.onnx_dtype != F32 else out
+        return out if keep_output else None
 
     def _gdn_replay(self, layer, conv_weight, a_log, dt_bias, k_heads, v_heads, k_dim, v_dim, kernel):
         """Advance conv and recurrent state over the first j tokens of the rollback data: the conv, gates and norms
@@ -374,13 +381,16 @@ class Decoder:
         its state is kept)."""
         r = self.replay
         conv_dim = conv_weight.shape[0]
-        rb = f"rollback.{layer}."
         with r.scope(f"model/layers.{layer}/linear_attn"):
-            conv_out = self._causal_conv(r, rb + "conv_input", r.const("conv/weight", conv_weight),
+            # the rollback data holds the projection's columns in the export dtype; the forward cast them up too
+            conv_in, b, a = (f"rollback.{layer}.{kind}" if r.onnx_dtype == F32 else
+                             r.op("Cast", [f"rollback.{layer}.{kind}"], f"{kind}_f32", to=F32)
+                             for kind in ("conv_input", "b", "a"))
+            conv_out = self._causal_conv(r, conv_in, r.const("conv/weight", conv_weight, keep_dtype=True),
                                          f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu")
-            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
+            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", F32,
                      ["batch", kernel - 1, conv_dim])
-            beta, decay = self._gdn_gates(r, rb + "b", rb + "a", a_log, dt_bias, v_heads)
+            beta, decay = self._gdn_gates(r, b, a, a_log, dt_bias, v_heads)
             _, k, v = self._qkv_heads(r, conv_out, k_heads, v_heads, k_dim, v_dim)
             past_rec = r.input(f"past_recurrent_state.{layer}", F32, ["batch", v_heads, k_dim, v_dim])
             self._gated_delta(r, k, k, v, decay, beta, past_rec, f"present_recurrent_state.{layer}", v_heads, k_dim,

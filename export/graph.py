@@ -150,10 +150,11 @@ class Graph:
         return self.op("MatMulNBits", [x, packed, scales, zeros], "MatMulNBits", domain=MS, K=k, N=n, bits=4,
                        block_size=self.block_size, accuracy_level=self.accuracy_level)
 
-    def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str) -> str:
-        """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w)."""
-        return self.op("SimplifiedLayerNormalization", [x, self.const(f"{leaf}/weight", gamma)], leaf,
-                       axis=-1, epsilon=eps, stash_type=1)
+    def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str, keep_dtype: bool = False) -> str:
+        """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w). keep_dtype: gamma
+        stays float32 (for an x that is float32 in a float16 export)."""
+        return self.op("SimplifiedLayerNormalization", [x, self.const(f"{leaf}/weight", gamma, keep_dtype=keep_dtype)],
+                       leaf, axis=-1, epsilon=eps, stash_type=1)
 
     def skip_rms_norm(self, x: str, skip: str, gamma: np.ndarray, eps: float, leaf: str) -> tuple[str, str]:
         """(rms_norm(x + skip), x + skip) in one fused op."""
