@@ -97,7 +97,8 @@ install_src() {  # the package layout of pyproject.toml's package-dir, by copyin
     mkdir -p $B/shared/models/pair-a/target && cp $B/payload/tok/* $B/shared/models/pair-a/target/ &&
     py -c "import snapspec.runtime, snapspec.export, snapspec.tools.cli"
 }
-build_llama() {
+build_llama() {  # the source may come with a later payload (final plan: c3)
+  until [ -e $B/payload/llama.cpp-b11312-seedfix.tar.xz ]; do sleep 2; done
   mkdir -p $B/llama && tar xJf $B/payload/llama.cpp-b11312-seedfix.tar.xz -C $B/llama --strip-components=1
   cd $B/llama && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \

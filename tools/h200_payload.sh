@@ -41,7 +41,10 @@ if [ $plan = realscale ]; then
   (cd $work && rm -f ort.tar.xz.[0-9]* && split -d -a 1 -n 4 ort.tar.xz ort.tar.xz.)
   for i in 0 1 2 3; do mkdir -p $out/f$((i + 1)) && cp $work/ort.tar.xz.$i $out/f$((i + 1))/; done
 fi
-case $plan in realscale|final) cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c1/ ;; esac
+case $plan in  # final: c1 would pass 64 MiB with the checkout beside it; c3 carries the source
+  realscale) cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c1/ ;;
+  final) mkdir -p $out/c3 && cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c3/ ;;
+esac
 cp $repo/tools/h200_block.sh $out/c1/
 echo $plan > $out/c1/plan
 (cd $repo && git archive HEAD -- . ':!snapspec/demo/*/*.safetensors') > $out/c1/src.tar
@@ -53,7 +56,7 @@ for m in target drafter; do
 done
 cp $shared/models/pair-a/prompts.jsonl $out/c2/pair/
 if [ $plan = final ]; then  # OLD_SNAPSPEC: the snapspec command of the checkout to compare with (e.g. main's venv)
-  rm -rf $out/c3 && mkdir -p $out/c3/pairold
+  rm -rf $out/c3/pairold && mkdir -p $out/c3/pairold
   for m in target drafter; do
     "${OLD_SNAPSPEC:?OLD_SNAPSPEC: the snapspec command of the baseline checkout}" export $shared/models/pair-a/$m \
       -o $out/c3/pairold/$m --dtype fp16 --quant int4 --embedding-dtype fp16 --force
