@@ -428,14 +428,15 @@ class Decoder:
         Output: y + D x, then the gated RMSNorm over `groups` groups: norm(y * silu(z)) * w, or with
         norm_before_gate norm(y) * w * silu(z); without norm_w (Falcon-H1's mamba_rms_norm off) just y * silu(z).
         Rollback data per token: the conv input and dt; the replay graph re-runs the conv and the scan from them.
-        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector).
+        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector; see _scale_rows for
+        why a float16 export spells out its casts).
         """
         g = self.fwd
         inner, gn = heads * head_dim, groups * d_state
         conv_dim = inner + 2 * gn
         proj = g.linear(x, in_w, "in_proj", bias=in_b)
         if in_scale is not None:
-            proj = g.op("Mul", [proj, g.const("in_proj/scale", in_scale)], "in_proj/scale")
+            proj = _scale_rows(g, proj, in_scale, "in_proj/scale")
         z, xbc, dt_raw = g.split(proj, [inner, conv_dim, heads], axis=-1, leaf="split_in")
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
@@ -709,6 +710,24 @@ def _mamba_dt(g: Graph, dt_raw: str, dt_bias, heads: int, dt_limit: tuple[float,
         dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
                            g.const("dt_max", np.float32(hi)) if hi != float("inf") else ""], "dt_clip")
     return dt
+
+
+def _scale_rows(g: Graph, x: str, scale: np.ndarray, leaf: str) -> str:
+    """x * scale over the last axis. Float16 exports compute it in float32 and round the product to float16 with a
+    Cast of their own, so that the forward's conv and dt read the same float16 values as the rollback data that the
+    replay reads.
+
+    Why: onnxruntime's CPU EP has no float16 Mul, so it runs the Mul in float32 between inserted casts; the Split
+    after it, whose consumers (conv, Softplus, Sigmoid) run in float32 as well, is then an "isolated" float16 node
+    that it also moves to float32, and the casts between them go as "precision free". The product reached the conv
+    and dt unrounded while the rollback data output rounded it: Falcon-H1's replayed state was 1e-3 to 1.5e-2 away
+    from a forward's (tiny model, int4 at accuracy level 4, where every other architecture is bitwise). A Cast to
+    float16 that the graph declares is lossy, and onnxruntime keeps it (the Split then runs in float16)."""
+    if g.onnx_dtype == F32:
+        return g.op("Mul", [x, g.const(leaf, scale)], leaf)
+    wide = g.op("Cast", [x], f"{leaf}/f32", to=F32)
+    product = g.op("Mul", [wide, g.const(leaf, np.asarray(scale, np.float32), keep_dtype=True)], leaf)
+    return g.op("Cast", [product], f"{leaf}/f16", to=g.onnx_dtype)
 
 
 def _same_tensor(a, b) -> bool:

@@ -141,10 +141,6 @@ def test_replay_is_bitwise(model_type, dtype, ort_model):
     forward's own ops: where a k-row forward equals one-row forwards bit for bit (int4 at accuracy level 4, above),
     the state it restores after a 9-token verify is bit for bit that of a forward of the first j tokens, in float32
     and in float16 exports (whose rollback data is float16)."""
-    if (model_type, dtype) == ("falcon_h1", "float16"):
-        # measured before the replay recomputed anything: j = 1 restores a state 1.8e-3 away from a one-token
-        # forward's whose logits are equal; open, not caused by the replay graph
-        pytest.skip("Falcon-H1 in float16: replay and forward states differ by rounding (known)")
     o = ort_model(model_type, dtype=dtype, quant="int4", block_size=16, int4_accuracy=4)
     if o.replay_session is None:
         pytest.skip(f"{model_type} has no recurrent state")
@@ -156,8 +152,7 @@ def test_replay_is_bitwise(model_type, dtype, ort_model):
     for j in range(1, o.manifest.rollback["window"] + 1):
         restored = o.replay(prefilled, verify.rollback, j)
         direct = o.forward(prefilled, ids[PREFIX:PREFIX + j], PREFIX)
-        if not np.array_equal(direct.logits, verify.logits[:, :j]):  # Falcon-H1 in float16, measured
-            pytest.skip(f"the forward itself is not bitwise across row counts here (j={j})")
+        assert np.array_equal(direct.logits, verify.logits[:, :j]), f"j={j}: the forward differs across row counts"
         direct = direct.state
         for name in o.recurrent_names:
             assert np.array_equal(restored[name], direct[name]), \
