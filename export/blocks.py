@@ -558,8 +558,8 @@ class Decoder:
                      activation_alpha=1.0, activation_beta=0.0)
         bs = g.block_size
         # QMoE's CPU kernel (onnxruntime 1.32) renormalises the top-k weights even with normalize_routing_weights=0,
-        # so a router without renormalisation keeps float experts.
-        if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0 and normalize:
+        # so a router without renormalisation keeps float experts. fc1 reads `hidden` features, fc2 `inter`.
+        if g.quantizes(hidden) and g.quantizes(inter) and normalize:
             w1, s1, z1 = quantize_int4_stacked(fc1, bs)
             w2, s2, z2 = quantize_int4_stacked(down_w, bs)
             names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
