@@ -36,8 +36,9 @@ from onnx import TensorProto
 
 from snapspec import SnapspecError
 
+from .checkpoint import CheckpointTensor
 from .graph import MS, Graph
-from .lazy import Deferred, combine, concat, is_lazy
+from .lazy import Deferred, combine, concat
 from .quant import quantize_int4, quantize_int4_stacked
 
 F32 = TensorProto.FLOAT
@@ -91,6 +92,11 @@ class Decoder:
     _rollback_values: list[tuple[str, int, int | None]] = field(default_factory=list)  # (tensor, first, end col)
     embedding_dtype: str | None = None  # asked storage of the embedding table: int4 | float16 | float32 (None: see embed)
     embedding_storage: str | None = None  # what embed() stored: int4 | float16 | float32
+    # Set while the graphs are built, not by the caller:
+    rollback_rows: int | None = field(default=None, init=False)  # finish(rows); None: the data covers every token
+    _spare: _Spare | None = field(default=None, init=False)  # the spare attention row's tensors (_spare_row)
+    _embed_q4: tuple | None = field(default=None, init=False)  # int4 embedding: (table, data, scales, zero points)
+    _embed_dense: tuple | None = field(default=None, init=False)  # table in the graph's dtype: (table, initializer)
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def token_inputs(self):
@@ -111,9 +117,6 @@ class Decoder:
     @property
     def dtype_name(self) -> str:
         return "float16" if self.fwd.onnx_dtype == TensorProto.FLOAT16 else "float32"
-
-    def _state_io(self, g: Graph, past: str, present: str, shape: list, elem: int):
-        return g.input(past, elem, shape), present
 
     # -- attention -----------------------------------------------------------------------------------------------
     def attention(self, x: str, layer: int, q_w, k_w, v_w, o_w, *, heads: int, kv_heads: int, head_dim: int,
@@ -186,7 +189,7 @@ class Decoder:
         level 4 (int8 activations, where a 1e-7 change can move a rounding step) need that for greedy
         speculation to equal plain decoding. A buffer with no free row runs without it (only its last position).
         Built once per graph: row counts from input_ids, the first KV buffer and the attention mask."""
-        if getattr(self, "_spare", None) is None:
+        if self._spare is None:
             g = self.fwd
             with g.scope("model/spare_row"):
                 t = g.op("Gather", [g.op("Shape", [self.input_ids], "tokens/Shape"), g.ints("axis1", 1)], "tokens")
@@ -585,7 +588,6 @@ class Decoder:
         Otherwise a table stored in another dtype than the graph's (float16 under int4: exact for bf16 checkpoints'
         values in float16 range; or `embedding_dtype`) is gathered, then the rows are cast."""
         g = self.fwd
-        self._embed_q4 = self._embed_dense = None
         n, k = table.shape
         with g.scope("model/embed_tokens"):
             if self.embedding_dtype in (None, "int4") and g.quantizes(k):
@@ -607,7 +609,6 @@ class Decoder:
                                     f"{g.block_size}, got {k}: use --embedding-dtype fp16 or fp32")
             stored = np.dtype(self.embedding_dtype or ("float16" if g.quant == "int4" else g.np_dtype))
             self.embedding_storage = str(stored)
-            self._embed_dense = None
             if stored != g.np_dtype:
                 rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
@@ -645,7 +646,7 @@ class Decoder:
 
     def _tied_int4(self, x: str, lm_head) -> str | None:
         """The output projection on the int4 embedding's bytes when both are one tensor (a tied head), else None."""
-        q4 = getattr(self, "_embed_q4", None)
+        q4 = self._embed_q4
         if q4 is None or not _same_tensor(q4[0], lm_head):
             return None
         _, data, scales, zeros = q4
@@ -663,7 +664,7 @@ class Decoder:
         packing has read them (+1 GB resident for the 0.8B shape, +480 MB at the peak of a 4,096-token prefill,
         measured). A transposed copy is packed and released instead, and the Gather touches only the rows it
         reads: one more table on disk, not in memory."""
-        dense = getattr(self, "_embed_dense", None)
+        dense = self._embed_dense
         g = self.fwd
         if (dense is None or g.onnx_dtype != F16 or g.quantizes(lm_head.shape[1])
                 or not _same_tensor(dense[0], lm_head)):
@@ -678,7 +679,7 @@ class Decoder:
     def table(self) -> dict:
         packed = None
         if self.rollback:
-            rows = getattr(self, "rollback_rows", None)
+            rows = self.rollback_rows
             # rows: each forward's rollback data covers its first `rows` tokens only (shape dim "rollback_rows" =
             # min(tokens, rows)); absent in older exports, whose data covers every token.
             packed = {"name": "rollback_data", "shape": ["batch", "sequence" if rows is None else "rollback_rows",
@@ -731,11 +732,14 @@ def _scale_rows(g: Graph, x: str, scale: np.ndarray, leaf: str) -> str:
 
 
 def _same_tensor(a, b) -> bool:
-    """Whether two weights are one checkpoint tensor (a tied head): the same name for the exporter's lazy tensors,
-    equal values for in-memory arrays."""
-    if is_lazy(a) or is_lazy(b):
-        return getattr(a, "name", None) is not None and getattr(a, "name", None) == getattr(b, "name", None)
-    return a.shape == b.shape and np.array_equal(a, b)
+    """Whether two weights are one checkpoint tensor (a tied head). The exporter reads a new CheckpointTensor each
+    time it asks for a tensor (Weights.get_abs), so one tensor asked for twice is two objects of one name and one
+    checkpoint. Anything else (an array a test builds a graph from) must be the same object: equal values do not
+    make two tensors one (an untied head may start as a copy of the embedding), and comparing them reads both."""
+    if a is b:
+        return True
+    return (isinstance(a, CheckpointTensor) and isinstance(b, CheckpointTensor) and a.ckpt is b.ckpt
+            and a.name == b.name)
 
 
 def _one_zero_per_byte(zeros, n: int, kb: int):

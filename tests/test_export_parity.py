@@ -330,6 +330,24 @@ def test_tied_dense_head_storage(dtype, ort_model):
     assert len(tables) == (1 if dtype == "float16" else 2), tables
 
 
+@pytest.mark.parametrize("dtype, quant, head_op", [("float32", "int4", "MatMulNBits"), ("float16", "none", "Gemm")])
+def test_tied_head_is_one_tensor_not_equal_values(dtype, quant, head_op):
+    """The head reads the embedding's initializer (int4: MatMulNBits on GatherBlockQuantized's data; float16: Gemm
+    on the Gather's table) only when both are one tensor; a head that merely equals the embedding gets its own."""
+    from snapspec.export.blocks import Decoder
+    from snapspec.export.graph import Graph
+
+    table = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)
+    for head, tied in ((table, True), (table.copy(), False)):
+        dec = Decoder(Graph("forward", dtype, quant), Graph("replay", dtype))
+        dec.token_inputs()
+        dec.logits(dec.embed(table), head)
+        (gather,) = [n for n in dec.fwd.nodes if n.op_type in ("Gather", "GatherBlockQuantized")
+                     and n.input[1] == "input_ids"]
+        (proj,) = [n for n in dec.fwd.nodes if n.op_type in (head_op, "MatMul")]
+        assert (proj.op_type == head_op and proj.input[1] == gather.input[0]) == tied, (tied, proj.op_type)
+
+
 VARIANTS = [("qwen3", dict(attention_bias=True, tie_word_embeddings=True)),
             ("lfm2", dict(conv_bias=True, tie_word_embeddings=False)),
             ("qwen3_next", dict(norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[])),
