@@ -37,8 +37,9 @@ from onnx import TensorProto
 
 from snapspec import SnapspecError
 
+from .checkpoint import CheckpointTensor
 from .graph import MS, Graph
-from .lazy import Deferred, combine, concat, is_lazy
+from .lazy import Deferred, combine, concat
 from .quant import quantize_int4, quantize_int4_stacked
 
 F32 = TensorProto.FLOAT
@@ -92,6 +93,11 @@ class Decoder:
     _rollback_values: list[tuple[str, int, int | None]] = field(default_factory=list)  # (tensor, first, end col)
     embedding_dtype: str | None = None  # asked storage of the embedding table: int4 | float16 | float32 (None: see embed)
     embedding_storage: str | None = None  # what embed() stored: int4 | float16 | float32
+    # Set while the graphs are built, not by the caller:
+    rollback_rows: int | None = field(default=None, init=False)  # finish(rows); None: the data covers every token
+    _spare: _Spare | None = field(default=None, init=False)  # the spare attention row's tensors (_spare_row)
+    _embed_q4: tuple | None = field(default=None, init=False)  # int4 embedding: (table, data, scales, zero points)
+    _embed_dense: tuple | None = field(default=None, init=False)  # table in the graph's dtype: (table, initializer)
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def token_inputs(self):
@@ -112,9 +118,6 @@ class Decoder:
     @property
     def dtype_name(self) -> str:
         return "float16" if self.fwd.onnx_dtype == TensorProto.FLOAT16 else "float32"
-
-    def _state_io(self, g: Graph, past: str, present: str, shape: list, elem: int):
-        return g.input(past, elem, shape), present
 
     # -- attention -----------------------------------------------------------------------------------------------
     def attention(self, x: str, layer: int, q_w, k_w, v_w, o_w, *, heads: int, kv_heads: int, head_dim: int,
@@ -187,7 +190,7 @@ class Decoder:
         level 4 (int8 activations, where a 1e-7 change can move a rounding step) need that for greedy
         speculation to equal plain decoding. A buffer with no free row runs without it (only its last position).
         Built once per graph: row counts from input_ids, the first KV buffer and the attention mask."""
-        if getattr(self, "_spare", None) is None:
+        if self._spare is None:
             g = self.fwd
             with g.scope("model/spare_row"):
                 t = g.op("Gather", [g.op("Shape", [self.input_ids], "tokens/Shape"), g.ints("axis1", 1)], "tokens")
@@ -438,14 +441,15 @@ class Decoder:
         Output: y + D x, then the gated RMSNorm over `groups` groups: norm(y * silu(z)) * w, or with
         norm_before_gate norm(y) * w * silu(z); without norm_w (Falcon-H1's mamba_rms_norm off) just y * silu(z).
         Rollback data per token: the conv input and dt; the replay graph re-runs the conv and the scan from them.
-        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector).
+        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector; see _scale_rows for
+        why a float16 export spells out its casts).
         """
         g = self.fwd
         inner, gn = heads * head_dim, groups * d_state
         conv_dim = inner + 2 * gn
         proj = g.linear(x, in_w, "in_proj", bias=in_b)
         if in_scale is not None:
-            proj = g.op("Mul", [proj, g.const("in_proj/scale", in_scale)], "in_proj/scale")
+            proj = _scale_rows(g, proj, in_scale, "in_proj/scale")
         z, xbc, dt_raw = g.split(proj, [inner, conv_dim, heads], axis=-1, leaf="split_in")
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
@@ -567,8 +571,8 @@ class Decoder:
                      activation_alpha=1.0, activation_beta=0.0)
         bs = g.block_size
         # QMoE's CPU kernel (onnxruntime 1.32) renormalises the top-k weights even with normalize_routing_weights=0,
-        # so a router without renormalisation keeps float experts.
-        if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0 and normalize:
+        # so a router without renormalisation keeps float experts. fc1 reads `hidden` features, fc2 `inter`.
+        if g.quantizes(hidden) and g.quantizes(inter) and normalize:
             w1, s1, z1 = quantize_int4_stacked(fc1, bs)
             w2, s2, z2 = quantize_int4_stacked(down_w, bs)
             names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
@@ -594,7 +598,6 @@ class Decoder:
         Otherwise a table stored in another dtype than the graph's (float16 under int4: exact for bf16 checkpoints'
         values in float16 range; or `embedding_dtype`) is gathered, then the rows are cast."""
         g = self.fwd
-        self._embed_q4 = self._embed_dense = None
         n, k = table.shape
         with g.scope("model/embed_tokens"):
             if self.embedding_dtype in (None, "int4") and g.quantizes(k):
@@ -616,7 +619,6 @@ class Decoder:
                                     f"{g.block_size}, got {k}: use --embedding-dtype fp16 or fp32")
             stored = np.dtype(self.embedding_dtype or ("float16" if g.quant == "int4" else g.np_dtype))
             self.embedding_storage = str(stored)
-            self._embed_dense = None
             if stored != g.np_dtype:
                 rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
@@ -654,7 +656,7 @@ class Decoder:
 
     def _tied_int4(self, x: str, lm_head) -> str | None:
         """The output projection on the int4 embedding's bytes when both are one tensor (a tied head), else None."""
-        q4 = getattr(self, "_embed_q4", None)
+        q4 = self._embed_q4
         if q4 is None or not _same_tensor(q4[0], lm_head):
             return None
         _, data, scales, zeros = q4
@@ -672,7 +674,7 @@ class Decoder:
         packing has read them (+1 GB resident for the 0.8B shape, +480 MB at the peak of a 4,096-token prefill,
         measured). A transposed copy is packed and released instead, and the Gather touches only the rows it
         reads: one more table on disk, not in memory."""
-        dense = getattr(self, "_embed_dense", None)
+        dense = self._embed_dense
         g = self.fwd
         if (dense is None or g.onnx_dtype != F16 or g.quantizes(lm_head.shape[1])
                 or not _same_tensor(dense[0], lm_head)):
@@ -687,7 +689,7 @@ class Decoder:
     def table(self) -> dict:
         packed = None
         if self.rollback:
-            rows = getattr(self, "rollback_rows", None)
+            rows = self.rollback_rows
             # rows: each forward's rollback data covers its first `rows` tokens only (shape dim "rollback_rows" =
             # min(tokens, rows)); absent in older exports, whose data covers every token.
             packed = {"name": "rollback_data", "shape": ["batch", "sequence" if rows is None else "rollback_rows",
@@ -721,12 +723,33 @@ def _mamba_dt(g: Graph, dt_raw: str, dt_bias, heads: int, dt_limit: tuple[float,
     return dt
 
 
+def _scale_rows(g: Graph, x: str, scale: np.ndarray, leaf: str) -> str:
+    """x * scale over the last axis. Float16 exports compute it in float32 and round the product to float16 with a
+    Cast of their own, so that the forward's conv and dt read the same float16 values as the rollback data that the
+    replay reads.
+
+    Why: onnxruntime's CPU EP has no float16 Mul, so it runs the Mul in float32 between inserted casts; the Split
+    after it, whose consumers (conv, Softplus, Sigmoid) run in float32 as well, is then an "isolated" float16 node
+    that it also moves to float32, and the casts between them go as "precision free". The product reached the conv
+    and dt unrounded while the rollback data output rounded it: Falcon-H1's replayed state was 1e-3 to 1.5e-2 away
+    from a forward's (tiny model, int4 at accuracy level 4, where every other architecture is bitwise). A Cast to
+    float16 that the graph declares is lossy, and onnxruntime keeps it (the Split then runs in float16)."""
+    if g.onnx_dtype == F32:
+        return g.op("Mul", [x, g.const(leaf, scale)], leaf)
+    wide = g.op("Cast", [x], f"{leaf}/f32", to=F32)
+    product = g.op("Mul", [wide, g.const(leaf, np.asarray(scale, np.float32), keep_dtype=True)], leaf)
+    return g.op("Cast", [product], f"{leaf}/f16", to=g.onnx_dtype)
+
+
 def _same_tensor(a, b) -> bool:
-    """Whether two weights are one checkpoint tensor (a tied head): the same name for the exporter's lazy tensors,
-    equal values for in-memory arrays."""
-    if is_lazy(a) or is_lazy(b):
-        return getattr(a, "name", None) is not None and getattr(a, "name", None) == getattr(b, "name", None)
-    return a.shape == b.shape and np.array_equal(a, b)
+    """Whether two weights are one checkpoint tensor (a tied head). The exporter reads a new CheckpointTensor each
+    time it asks for a tensor (Weights.get_abs), so one tensor asked for twice is two objects of one name and one
+    checkpoint. Anything else (an array a test builds a graph from) must be the same object: equal values do not
+    make two tensors one (an untied head may start as a copy of the embedding), and comparing them reads both."""
+    if a is b:
+        return True
+    return (isinstance(a, CheckpointTensor) and isinstance(b, CheckpointTensor) and a.ckpt is b.ckpt
+            and a.name == b.name)
 
 
 def _one_zero_per_byte(zeros, n: int, kb: int):
