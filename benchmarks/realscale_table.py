@@ -17,12 +17,23 @@ LLAMA = {("4b", "fp16"): "qwen35-4b-f16", ("4b", "int4"): "qwen35-4b-q4_0", ("9b
          ("9b", "int4"): "qwen35-9b-q4_0", ("0.8b", "fp16"): "qwen35-0.8b-f16", ("0.8b", "int4"): "qwen35-0.8b-q4_0"}
 
 
-def llama(folder: Path, name: str) -> dict:
+def llama(folder: Path, name: str) -> dict | None:
+    """llama-bench's prefill (pp) and decode (tg) t/s and its peak memory; None when the block did not run it."""
+    if not (folder / f"llama-{name}.json").exists():
+        return None
     rows = json.loads((folder / f"llama-{name}.json").read_text())
     out = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
     samples = (folder / f"llama-{name}.peakmib.samples").read_text().split()
     out["peak_mib"] = max(int(x) for x in samples) if samples else None
     return out
+
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _ratio(a, b) -> str:
+    return "-" if b is None else f"{a / b:.2f}x"
 
 
 def main(argv=None) -> int:
@@ -39,10 +50,11 @@ def main(argv=None) -> int:
                 if d is None:
                     continue
                 dec, pf = d["target_decode"]["tokens_per_s"], d["target_prefill"]["tokens_per_s"]
+                r = ref or {"tg": None, "pp": None, "peak_mib": "-"}
                 print(f"| {size.upper()} {dt} (0.8B {dt}) | {'yes' if g == 'graph' else 'no'} | {dec:.1f} | "
-                      f"{ref['tg']:.1f} | **{dec / ref['tg']:.2f}x** | {pf:.0f} | {ref['pp']:.0f} | "
-                      f"{pf / ref['pp']:.2f}x | {d['drafter_decode']['tokens_per_s']:.1f} | {dref['tg']:.1f} | "
-                      f"{d['peak_gpu_mib']:.0f} ({ref['peak_mib']}) |")
+                      f"{_num(r['tg'], '.1f')} | **{_ratio(dec, r['tg'])}** | {pf:.0f} | {_num(r['pp'], '.0f')} | "
+                      f"{_ratio(pf, r['pp'])} | {d['drafter_decode']['tokens_per_s']:.1f} | "
+                      f"{_num(dref and dref['tg'], '.1f')} | {d['peak_gpu_mib']:.0f} ({r['peak_mib']}) |")
     print()
     print("| target (drafter) | graphs | target step ms | C(2..8) | c | r | predicted k=1 / 2 / 3 / 4 |")
     print("|---|---|---|---|---|---|---|")

@@ -25,7 +25,7 @@ from . import arch, genai_config, window
 from .blocks import Decoder
 from .checkpoint import Checkpoint
 from .external import DataFile
-from .graph import Graph
+from .graph import Graph, int4_accuracy_level
 from .weights import Weights
 
 # Copied when present. The chat template travels as published: chat_template.jinja (current transformers), a
@@ -53,9 +53,10 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            path), float16, because onnxruntime-gpu's GatherBlockQuantized gives wrong results (runtime/model.py);
            without int4, the export dtype. float32 with int4 gives a graph with no float16 tensor, which WebGPU
            adapters without shader-f16 (SwiftShader, some older GPUs) need in the browser.
-    int4_accuracy: MatMulNBits accuracy level, 1 (float32 math) or 4 (int8 activations); default: 4 for float32
-           exports (the CPU path), 1 for float16. onnxruntime-web computes in float32: export level 1 for a page
-           whose results must equal Python onnxruntime's.
+    int4_accuracy: MatMulNBits accuracy level, 1 (float32 math) or 4 (int8 activations); default
+           (graph.int4_accuracy_level): 4 for float32 exports (the CPU path), 1 for float16 and for models with
+           mixture-of-experts layers. A level asked for is kept. onnxruntime-web computes in float32: export level 1
+           for a page whose results must equal Python onnxruntime's.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
     log: called with each line of the summary (None: silent, and no progress bar).
@@ -103,7 +104,6 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     if int4_accuracy not in (None, 1, 4):
         raise SnapspecError(f"unsupported int4 accuracy level {int4_accuracy}: use 1 (float32 math) or 4 (int8 "
                             "activations)")
-    level = int4_accuracy or int4_accuracy_level(dtype)
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
         f"as {dtype}, quant {quant}")
     params = sum(int(np.prod(ckpt.shape(n), dtype=np.int64)) for n in weights.to_read())
@@ -115,13 +115,13 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
     data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
     try:
-        dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0], accuracy_level=level),
+        dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0], accuracy_level=int4_accuracy),
                       Graph("replay", dtype, "none", data=data[1]), embedding_dtype=embedding_dtype)
         with _progress(weights, data, show_progress):
             module.build(dec, weights, spec, ctx)
         dec.finish(rows=rollback_window)
         weights.check_covered()
-        level = _experts_keep_float32(dec.fwd, level)
+        level = _experts_accuracy_level(dec.fwd, dtype, int4_accuracy, log)
         for d in data:
             d.close()
         digests = {d.path.name: d.sha256() for d in data}
@@ -172,26 +172,23 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     return manifest.Manifest(out_dir, result.data)
 
 
-def int4_accuracy_level(dtype: str) -> int:
-    """MatMulNBits accuracy level, chosen by measurement (BENCHMARKS.md, "int4 on CPU"): 4 for float32 exports, the
-    CPU path (int8 activations: 2-4x faster, and its k-row results equal its one-row results bit for bit at block
-    sizes 16 and 32, which greedy speculation needs); 1 for float16 exports, which run on GPU providers whose
-    level-4 paths are not verified here."""
-    return 4 if dtype == "float32" else 1
-
-
-def _experts_keep_float32(g: Graph, level: int) -> int:
-    """Level 1 for every MatMulNBits of a graph with MoE / QMoE nodes: an expert's rows round differently in a
-    k-row call than in a one-row call (each expert sees another number of rows), and int8 activations downstream
-    would amplify that into logit differences. Returns the level the graph now has."""
-    if level == 1 or not any(n.op_type in ("MoE", "QMoE") for n in g.nodes):
-        return level
-    for node in g.nodes:
-        if node.op_type == "MatMulNBits":
-            for attr in node.attribute:
-                if attr.name == "accuracy_level":
-                    attr.i = 1
-    return 1
+def _experts_accuracy_level(g: Graph, dtype: str, asked: int | None, log) -> int:
+    """The accuracy level of the forward's MatMulNBits nodes once it is built. A graph with mixture-of-experts nodes
+    takes int4_accuracy_level's level for experts unless --int4-accuracy asked for one, which is kept (onnxruntime
+    runs either); a log line says which."""
+    if g.quant != "int4" or not g.has_op("MoE", "QMoE"):
+        return g.accuracy_level
+    if asked is None:
+        level = int4_accuracy_level(dtype, experts=True)
+        if level != g.accuracy_level:
+            g.set_accuracy_level(level)
+            log(f"int4 accuracy level {level} (float32 activations) for a model with mixture-of-experts layers: "
+                "int8 activations widen the gap between k-token and one-token forwards; --int4-accuracy 4 asks for "
+                "them anyway")
+    elif asked == 4:
+        log("int4 accuracy level 4 as asked: with mixture-of-experts layers, k-token forwards differ more from "
+            "one-token ones than at level 1, so speculative greedy output may differ from plain greedy")
+    return g.accuracy_level
 
 
 def _clean_leftovers(out_dir: Path, log) -> None:

@@ -4,7 +4,8 @@ Every block that owns state registers it once, as data (`StateEntry`), in the la
 runtime's allocator, the tests and `snapspec info` all read that table and nothing else:
 
     kv          [batch, kv_heads, context, head_dim]     one shared past/present buffer (GroupQueryAttention)
-    conv        [batch, kernel - 1, channels]            the last kernel-1 conv inputs, sequence-major
+    conv        [batch, kernel - 1, channels]            the last kernel-1 conv inputs, sequence-major, in the
+                                                         export dtype (Gated DeltaNet: float32 always)
     recurrent   [batch, heads, key_dim, value_dim]       matrix state, float32: the gated delta rule's, or Mamba2's
                                                          [batch, heads, d_state, head_dim] (transformers keeps
                                                          [batch, heads, head_dim, d_state]: the transpose)
@@ -23,8 +24,8 @@ k-row == one-row property the runtime relies on), so the replay sees exactly wha
 step copies one slice per layer instead of one per transition input.
 
 Kernels per step are what a small model's step costs on a GPU (one launch per node in a captured CUDA graph), so
-the blocks prefer one node over several: the L2 norms of q and k are one SimplifiedLayerNormalization, float16
-exports cast the conv output up once rather than q, k and v apiece.
+the blocks prefer one node over several: the L2 norms of q and k are one SimplifiedLayerNormalization, and a
+float16 Gated DeltaNet layer casts twice (its input projection's output up, its gated norm's output down).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from onnx import TensorProto
 
 from snapspec import SnapspecError
 
+from .checkpoint import CheckpointTensor
 from .graph import MS, Graph
-from .lazy import Deferred, combine, concat, is_lazy
+from .lazy import Deferred, combine, concat
 from .quant import quantize_int4, quantize_int4_stacked
 
 F32 = TensorProto.FLOAT
@@ -91,6 +93,11 @@ class Decoder:
     _rollback_values: list[tuple[str, int, int | None]] = field(default_factory=list)  # (tensor, first, end col)
     embedding_dtype: str | None = None  # asked storage of the embedding table: int4 | float16 | float32 (None: see embed)
     embedding_storage: str | None = None  # what embed() stored: int4 | float16 | float32
+    # Set while the graphs are built, not by the caller:
+    rollback_rows: int | None = field(default=None, init=False)  # finish(rows); None: the data covers every token
+    _spare: _Spare | None = field(default=None, init=False)  # the spare attention row's tensors (_spare_row)
+    _embed_q4: tuple | None = field(default=None, init=False)  # int4 embedding: (table, data, scales, zero points)
+    _embed_dense: tuple | None = field(default=None, init=False)  # table in the graph's dtype: (table, initializer)
 
     # -- inputs ------------------------------------------------------------------------------------------------
     def token_inputs(self):
@@ -111,9 +118,6 @@ class Decoder:
     @property
     def dtype_name(self) -> str:
         return "float16" if self.fwd.onnx_dtype == TensorProto.FLOAT16 else "float32"
-
-    def _state_io(self, g: Graph, past: str, present: str, shape: list, elem: int):
-        return g.input(past, elem, shape), present
 
     # -- attention -----------------------------------------------------------------------------------------------
     def attention(self, x: str, layer: int, q_w, k_w, v_w, o_w, *, heads: int, kv_heads: int, head_dim: int,
@@ -186,7 +190,7 @@ class Decoder:
         level 4 (int8 activations, where a 1e-7 change can move a rounding step) need that for greedy
         speculation to equal plain decoding. A buffer with no free row runs without it (only its last position).
         Built once per graph: row counts from input_ids, the first KV buffer and the attention mask."""
-        if getattr(self, "_spare", None) is None:
+        if self._spare is None:
             g = self.fwd
             with g.scope("model/spare_row"):
                 t = g.op("Gather", [g.op("Shape", [self.input_ids], "tokens/Shape"), g.ints("axis1", 1)], "tokens")
@@ -226,13 +230,15 @@ class Decoder:
         return cos, sin, rotary_dim
 
     # -- recurrent state helpers ------------------------------------------------------------------------------------
-    def _conv_state(self, layer: int, channels: int, kernel: int) -> tuple[str, str]:
+    def _conv_state(self, layer: int, channels: int, kernel: int, elem: int | None = None) -> tuple[str, str]:
+        """elem: the state's element type (default the export dtype; Gated DeltaNet keeps float32, see there)."""
         shape = ["batch", kernel - 1, channels]
-        past = self.fwd.input(f"past_conv_state.{layer}", self.fwd.onnx_dtype, shape)
-        self.replay.input(past, self.replay.onnx_dtype, shape)
+        elem = self.fwd.onnx_dtype if elem is None else elem
+        past = self.fwd.input(f"past_conv_state.{layer}", elem, shape)
+        self.replay.input(past, elem, shape)
         present = f"present_conv_state.{layer}"
-        self.state.append(StateEntry(past, present, "conv", layer, shape, self.dtype_name))
-        self.fwd.output(present, present, self.fwd.onnx_dtype, shape)
+        self.state.append(StateEntry(past, present, "conv", layer, shape, "float32" if elem == F32 else "float16"))
+        self.fwd.output(present, present, elem, shape)
         return past, present
 
     def _rollback_out(self, g: Graph, value: str, layer: int, parts: list[tuple[str, int]], start: int = 0,
@@ -295,14 +301,21 @@ class Decoder:
 
         The input projection's rows are stacked [q k v | b | a | z], so that the conv input and the gate inputs,
         the layer's rollback data, are one slice of its output.
+
+        Between the two projections everything runs in float32, in every export: the recurrence needs it (see
+        _gated_delta), and a float16 export then casts twice per layer, the input projection's output up and the
+        gated norm's output down, where casting the conv output, beta, the decay and the rule's output apiece took
+        four. Its conv state is float32 for that reason (it holds conv inputs, which are float16 values).
         """
         g = self.fwd
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
         proj = g.linear(x, concat([qkv_w, b_w, a_w, z_w]), "in_proj")
-        mixed, b, a, z = g.split(proj, [conv_dim, v_heads, v_heads, v_heads * v_dim], axis=-1, leaf="split_in")
-        conv_weight = conv_w.reshape(conv_dim, 1, kernel)
-        past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
-        conv_out = self._causal_conv(g, mixed, g.const("conv/weight", conv_weight), past_conv, present_conv, "silu")
+        wide = g.op("Cast", [proj], "in_proj_f32", to=F32) if g.onnx_dtype != F32 else proj
+        mixed, b, a, z = g.split(wide, [conv_dim, v_heads, v_heads, v_heads * v_dim], axis=-1, leaf="split_in")
+        conv_weight = np.asarray(conv_w, np.float32).reshape(conv_dim, 1, kernel)
+        past_conv, present_conv = self._conv_state(layer, conv_dim, kernel, F32)
+        conv_out = self._causal_conv(g, mixed, g.const("conv/weight", conv_weight, keep_dtype=True), past_conv,
+                                     present_conv, "silu")
         beta, decay = self._gdn_gates(g, b, a, a_log, dt_bias, v_heads)
         q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim)
         self._rollback_out(g, proj, layer, [("conv_input", conv_dim), ("b", v_heads), ("a", v_heads)],
@@ -316,34 +329,33 @@ class Decoder:
         g.output(present_rec, present_rec, F32, rec_shape)
 
         # Gated RMSNorm per value head, then the output projection.
-        o = g.rms_norm(g.reshape(core, [0, 0, v_heads, v_dim], "o_heads"), norm_w, eps, "norm")
+        o = g.rms_norm(g.reshape(core, [0, 0, v_heads, v_dim], "o_heads"), np.asarray(norm_w, np.float32), eps, "norm",
+                       keep_dtype=True)
         zg = g.silu(g.reshape(z, [0, 0, v_heads, v_dim], "z_heads"), "z_silu")
         o = g.reshape(g.op("Mul", [o, zg], "gate"), [0, 0, v_heads * v_dim], "o_flat")
+        if g.onnx_dtype != F32:
+            o = g.op("Cast", [o], "o_f16", to=g.onnx_dtype)
 
         self._gdn_replay(layer, conv_weight, a_log, dt_bias, k_heads, v_heads, k_dim, v_dim, kernel)
         return g.linear(o, out_w, "out_proj")
 
     def _gdn_gates(self, g: Graph, b: str, a: str, a_log, dt_bias, v_heads: int) -> tuple[str, str]:
-        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)), computed in the export dtype and
-        returned in float32 (see _gated_delta)."""
+        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)) from float32 b and a, in float32."""
         beta = g.op("Sigmoid", [b], "beta")
-        decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32))),
-                             _softplus(g, g.op("Add", [a, g.const("dt_bias", dt_bias)], "dt_add"), v_heads,
+        decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32)), keep_dtype=True),
+                             _softplus(g, g.op("Add", [a, g.const("dt_bias", np.asarray(dt_bias, np.float32),
+                                                                   keep_dtype=True)], "dt_add"), v_heads,
                                        "Softplus")], "decay")
-        if g.onnx_dtype != F32:
-            beta, decay = (g.op("Cast", [t], f"{n}_f32", to=F32) for t, n in ((beta, "beta"), (decay, "decay")))
         return beta, decay
 
     def _qkv_heads(self, g: Graph, conv_out: str, k_heads: int, v_heads: int, k_dim: int, v_dim: int):
-        """q, k, v in float32 from the conv output: q and k L2-normalised per head and repeated to the value heads
+        """q, k, v from the (float32) conv output: q and k L2-normalised per head and repeated to the value heads
         (each key head serves v_heads / k_heads consecutive value heads).
 
         transformers' l2norm is x * rsqrt(sum(x^2) + 1e-6) (a fixed eps, whatever the config's rms_norm_eps);
         SimplifiedLayerNormalization computes x * rsqrt(sum(x^2) / d + e) * w, the same with e = 1e-6 / d and
         w = 1 / sqrt(d): one node for both norms (q and k heads side by side), where ReduceSumSquare, Add, Sqrt and
-        Div were four apiece. float16 exports cast the conv output once, so the norms run in float32 too."""
-        if g.onnx_dtype != F32:
-            conv_out = g.op("Cast", [conv_out], "conv_f32", to=F32)
+        Div were four apiece."""
         qk, v = g.split(conv_out, [2 * k_heads * k_dim, v_heads * v_dim], axis=-1, leaf="split_qkv")
         rep = v_heads // k_heads
         t = g.reshape(qk, [0, 0, 2, k_heads, 1, k_dim], "qk_heads")
@@ -358,15 +370,13 @@ class Decoder:
     def _gated_delta(self, g: Graph, q, k, v, decay, beta, past, present, v_heads: int, k_dim: int,
                      keep_output: bool = True) -> str | None:
         """The gated delta rule on float32 inputs, always: the state is float32 (fp16 state drifts over long
-        sequences) and the CUDA and WebGPU kernels want the activations in the state's dtype. A float16 export
-        casts its output back; keep_output False (the replay): only the state is kept."""
+        sequences) and the CUDA and WebGPU kernels want the activations in the state's dtype. Returns the float32
+        output; keep_output False (the replay): only the state is kept."""
         out, _ = g.op("LinearAttention", [q, k, v, past, decay, beta], "LinearAttention", n_out=2, domain=MS,
                       outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
                       q_num_heads=v_heads, kv_num_heads=v_heads, update_rule="gated_delta",
                       scale=float(k_dim ** -0.5))
-        if not keep_output:
-            return None
-        return g.op("Cast", [out], "out_f16", to=g.onnx_dtype) if g.onnx_dtype != F32 else out
+        return out if keep_output else None
 
     def _gdn_replay(self, layer, conv_weight, a_log, dt_bias, k_heads, v_heads, k_dim, v_dim, kernel):
         """Advance conv and recurrent state over the first j tokens of the rollback data: the conv, gates and norms
@@ -374,13 +384,16 @@ class Decoder:
         its state is kept)."""
         r = self.replay
         conv_dim = conv_weight.shape[0]
-        rb = f"rollback.{layer}."
         with r.scope(f"model/layers.{layer}/linear_attn"):
-            conv_out = self._causal_conv(r, rb + "conv_input", r.const("conv/weight", conv_weight),
+            # the rollback data holds the projection's columns in the export dtype; the forward cast them up too
+            conv_in, b, a = (f"rollback.{layer}.{kind}" if r.onnx_dtype == F32 else
+                             r.op("Cast", [f"rollback.{layer}.{kind}"], f"{kind}_f32", to=F32)
+                             for kind in ("conv_input", "b", "a"))
+            conv_out = self._causal_conv(r, conv_in, r.const("conv/weight", conv_weight, keep_dtype=True),
                                          f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu")
-            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
+            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", F32,
                      ["batch", kernel - 1, conv_dim])
-            beta, decay = self._gdn_gates(r, rb + "b", rb + "a", a_log, dt_bias, v_heads)
+            beta, decay = self._gdn_gates(r, b, a, a_log, dt_bias, v_heads)
             _, k, v = self._qkv_heads(r, conv_out, k_heads, v_heads, k_dim, v_dim)
             past_rec = r.input(f"past_recurrent_state.{layer}", F32, ["batch", v_heads, k_dim, v_dim])
             self._gated_delta(r, k, k, v, decay, beta, past_rec, f"present_recurrent_state.{layer}", v_heads, k_dim,
@@ -428,14 +441,15 @@ class Decoder:
         Output: y + D x, then the gated RMSNorm over `groups` groups: norm(y * silu(z)) * w, or with
         norm_before_gate norm(y) * w * silu(z); without norm_w (Falcon-H1's mamba_rms_norm off) just y * silu(z).
         Rollback data per token: the conv input and dt; the replay graph re-runs the conv and the scan from them.
-        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector).
+        in_scale, when given, multiplies in_proj's output row-wise (Falcon-H1's MuP vector; see _scale_rows for
+        why a float16 export spells out its casts).
         """
         g = self.fwd
         inner, gn = heads * head_dim, groups * d_state
         conv_dim = inner + 2 * gn
         proj = g.linear(x, in_w, "in_proj", bias=in_b)
         if in_scale is not None:
-            proj = g.op("Mul", [proj, g.const("in_proj/scale", in_scale)], "in_proj/scale")
+            proj = _scale_rows(g, proj, in_scale, "in_proj/scale")
         z, xbc, dt_raw = g.split(proj, [inner, conv_dim, heads], axis=-1, leaf="split_in")
         conv_weight = conv_w.reshape(conv_dim, 1, kernel)
         past_conv, present_conv = self._conv_state(layer, conv_dim, kernel)
@@ -557,8 +571,8 @@ class Decoder:
                      activation_alpha=1.0, activation_beta=0.0)
         bs = g.block_size
         # QMoE's CPU kernel (onnxruntime 1.32) renormalises the top-k weights even with normalize_routing_weights=0,
-        # so a router without renormalisation keeps float experts.
-        if g.quant == "int4" and hidden % bs == 0 and inter % bs == 0 and normalize:
+        # so a router without renormalisation keeps float experts. fc1 reads `hidden` features, fc2 `inter`.
+        if g.quantizes(hidden) and g.quantizes(inter) and normalize:
             w1, s1, z1 = quantize_int4_stacked(fc1, bs)
             w2, s2, z2 = quantize_int4_stacked(down_w, bs)
             names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
@@ -584,7 +598,6 @@ class Decoder:
         Otherwise a table stored in another dtype than the graph's (float16 under int4: exact for bf16 checkpoints'
         values in float16 range; or `embedding_dtype`) is gathered, then the rows are cast."""
         g = self.fwd
-        self._embed_q4 = self._embed_dense = None
         n, k = table.shape
         with g.scope("model/embed_tokens"):
             if self.embedding_dtype in (None, "int4") and g.quantizes(k):
@@ -606,7 +619,6 @@ class Decoder:
                                     f"{g.block_size}, got {k}: use --embedding-dtype fp16 or fp32")
             stored = np.dtype(self.embedding_dtype or ("float16" if g.quant == "int4" else g.np_dtype))
             self.embedding_storage = str(stored)
-            self._embed_dense = None
             if stored != g.np_dtype:
                 rows = g.op("Gather", [g.const("weight", table.astype(stored), keep_dtype=True), self.input_ids],
                             "Gather")
@@ -644,7 +656,7 @@ class Decoder:
 
     def _tied_int4(self, x: str, lm_head) -> str | None:
         """The output projection on the int4 embedding's bytes when both are one tensor (a tied head), else None."""
-        q4 = getattr(self, "_embed_q4", None)
+        q4 = self._embed_q4
         if q4 is None or not _same_tensor(q4[0], lm_head):
             return None
         _, data, scales, zeros = q4
@@ -662,7 +674,7 @@ class Decoder:
         packing has read them (+1 GB resident for the 0.8B shape, +480 MB at the peak of a 4,096-token prefill,
         measured). A transposed copy is packed and released instead, and the Gather touches only the rows it
         reads: one more table on disk, not in memory."""
-        dense = getattr(self, "_embed_dense", None)
+        dense = self._embed_dense
         g = self.fwd
         if (dense is None or g.onnx_dtype != F16 or g.quantizes(lm_head.shape[1])
                 or not _same_tensor(dense[0], lm_head)):
@@ -677,7 +689,7 @@ class Decoder:
     def table(self) -> dict:
         packed = None
         if self.rollback:
-            rows = getattr(self, "rollback_rows", None)
+            rows = self.rollback_rows
             # rows: each forward's rollback data covers its first `rows` tokens only (shape dim "rollback_rows" =
             # min(tokens, rows)); absent in older exports, whose data covers every token.
             packed = {"name": "rollback_data", "shape": ["batch", "sequence" if rows is None else "rollback_rows",
@@ -711,12 +723,33 @@ def _mamba_dt(g: Graph, dt_raw: str, dt_bias, heads: int, dt_limit: tuple[float,
     return dt
 
 
+def _scale_rows(g: Graph, x: str, scale: np.ndarray, leaf: str) -> str:
+    """x * scale over the last axis. Float16 exports compute it in float32 and round the product to float16 with a
+    Cast of their own, so that the forward's conv and dt read the same float16 values as the rollback data that the
+    replay reads.
+
+    Why: onnxruntime's CPU EP has no float16 Mul, so it runs the Mul in float32 between inserted casts; the Split
+    after it, whose consumers (conv, Softplus, Sigmoid) run in float32 as well, is then an "isolated" float16 node
+    that it also moves to float32, and the casts between them go as "precision free". The product reached the conv
+    and dt unrounded while the rollback data output rounded it: Falcon-H1's replayed state was 1e-3 to 1.5e-2 away
+    from a forward's (tiny model, int4 at accuracy level 4, where every other architecture is bitwise). A Cast to
+    float16 that the graph declares is lossy, and onnxruntime keeps it (the Split then runs in float16)."""
+    if g.onnx_dtype == F32:
+        return g.op("Mul", [x, g.const(leaf, scale)], leaf)
+    wide = g.op("Cast", [x], f"{leaf}/f32", to=F32)
+    product = g.op("Mul", [wide, g.const(leaf, np.asarray(scale, np.float32), keep_dtype=True)], leaf)
+    return g.op("Cast", [product], f"{leaf}/f16", to=g.onnx_dtype)
+
+
 def _same_tensor(a, b) -> bool:
-    """Whether two weights are one checkpoint tensor (a tied head): the same name for the exporter's lazy tensors,
-    equal values for in-memory arrays."""
-    if is_lazy(a) or is_lazy(b):
-        return getattr(a, "name", None) is not None and getattr(a, "name", None) == getattr(b, "name", None)
-    return a.shape == b.shape and np.array_equal(a, b)
+    """Whether two weights are one checkpoint tensor (a tied head). The exporter reads a new CheckpointTensor each
+    time it asks for a tensor (Weights.get_abs), so one tensor asked for twice is two objects of one name and one
+    checkpoint. Anything else (an array a test builds a graph from) must be the same object: equal values do not
+    make two tensors one (an untied head may start as a copy of the embedding), and comparing them reads both."""
+    if a is b:
+        return True
+    return (isinstance(a, CheckpointTensor) and isinstance(b, CheckpointTensor) and a.ckpt is b.ckpt
+            and a.name == b.name)
 
 
 def _one_zero_per_byte(zeros, n: int, kb: int):

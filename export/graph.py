@@ -30,15 +30,26 @@ _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Te
 INLINE_BYTES = 1024  # smaller initializers stay in the graph proto (as onnx's size_threshold did)
 
 
+def int4_accuracy_level(dtype: str, experts: bool = False) -> int:
+    """The default MatMulNBits accuracy level (4: the CPU kernel quantizes activations to int8 per block; 1: float32
+    math), chosen by measurement (BENCHMARKS.md, "int4 on CPU"): 4 for float32 exports, the CPU path (2-4x faster,
+    and its k-row results equal its one-row results bit for bit at block sizes 16 and 32, which greedy speculation
+    needs); 1 for float16 exports, which run on GPU providers whose level-4 paths are not verified here; 1 for a
+    graph with mixture-of-experts nodes (`experts`: MoE / QMoE), where an expert's rows round differently in a k-row
+    call than in a one-row call (each expert sees another number of rows) and int8 activations downstream amplify
+    that (tiny test models, a 9-token forward against nine one-token forwards: logits up to 4e-2 apart at level 4
+    for Granite-4.0-H and Qwen3.5-MoE, under 6e-5 at level 1)."""
+    return 4 if dtype == "float32" and not experts else 1
+
+
 class Graph:
     def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32,
-                 data: DataFile | None = None, accuracy_level: int = 4):
+                 data: DataFile | None = None, accuracy_level: int | None = None):
         """data: the external-data file initializers are streamed to (its name is their location, so it must
-        lie beside the graph file). accuracy_level: MatMulNBits' (4: the CPU kernel quantizes activations to int8
-        per block; 1: float32)."""
+        lie beside the graph file). accuracy_level: MatMulNBits' (None: int4_accuracy_level(dtype))."""
         self.name = name
         self.data = data
-        self.accuracy_level = accuracy_level
+        self.accuracy_level = int4_accuracy_level(dtype) if accuracy_level is None else accuracy_level
         self.np_dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
         self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
         self.quant = quant
@@ -150,10 +161,24 @@ class Graph:
         return self.op("MatMulNBits", [x, packed, scales, zeros], "MatMulNBits", domain=MS, K=k, N=n, bits=4,
                        block_size=self.block_size, accuracy_level=self.accuracy_level)
 
-    def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str) -> str:
-        """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w)."""
-        return self.op("SimplifiedLayerNormalization", [x, self.const(f"{leaf}/weight", gamma)], leaf,
-                       axis=-1, epsilon=eps, stash_type=1)
+    def set_accuracy_level(self, level: int) -> None:
+        """Make `level` the accuracy level of every MatMulNBits node, those already made included (the exporter
+        knows whether a graph has experts only once it is built)."""
+        self.accuracy_level = level
+        for node in self.nodes:
+            if node.op_type == "MatMulNBits":
+                for attr in node.attribute:
+                    if attr.name == "accuracy_level":
+                        attr.i = level
+
+    def has_op(self, *op_types: str) -> bool:
+        return any(n.op_type in op_types for n in self.nodes)
+
+    def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str, keep_dtype: bool = False) -> str:
+        """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w). keep_dtype: gamma
+        stays float32 (for an x that is float32 in a float16 export)."""
+        return self.op("SimplifiedLayerNormalization", [x, self.const(f"{leaf}/weight", gamma, keep_dtype=keep_dtype)],
+                       leaf, axis=-1, epsilon=eps, stash_type=1)
 
     def skip_rms_norm(self, x: str, skip: str, gamma: np.ndarray, eps: float, leaf: str) -> tuple[str, str]:
         """(rms_norm(x + skip), x + skip) in one fused op."""

@@ -194,6 +194,20 @@ def test_moe_block(normalize, quant):
     assert_close(f"MoE block (quant {quant}, normalize {normalize})", out[0], expected, RTOL)
 
 
+@pytest.mark.parametrize("hidden, inter, op", [(64, 32, "QMoE"), (64, 48, "MoE"), (64, 16, "MoE"), (48, 32, "MoE")])
+def test_moe_block_quantizes_whole_blocks(hidden, inter, op):
+    """Under int4 (block 32) the experts are QMoE only when both of their input widths, hidden for fc1 and the expert
+    width for fc2, are whole blocks (Graph.quantizes, the rule every linear follows); else float MoE."""
+    from snapspec.export.blocks import Decoder
+    from snapspec.export.graph import Graph
+
+    g = Graph("moe", "float32", "int4", 32)
+    dec = Decoder(g, Graph("replay"))
+    w = moe_weights(np.random.default_rng(0), D=hidden, I=inter)
+    dec.moe(g.input("x", F32, [1, "T", hidden]), **w, top_k=2, normalize=True)
+    assert [n.op_type for n in g.nodes if n.op_type in ("MoE", "QMoE")] == [op]
+
+
 # -- the reference against transformers' torch functions --------------------------------------------------------
 def test_reference_gated_delta_rule_matches_transformers():
     """transformers takes raw q, k with fewer key heads (here 1 for 3 value heads) and normalises and repeats them."""

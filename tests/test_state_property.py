@@ -162,7 +162,12 @@ class Driver:
 
 def run_example(data, model, ctx: Context, ref: Reference) -> None:
     d = Driver(ctx, ref, model.vocab_size)
-    tok = st.integers(0, model.vocab_size - 1)
+    # Not token 0: the tiny models' pad token, whose embedding row transformers initialises to zeros. After it, every
+    # router logit of Qwen3-Next's first MoE layer is ~0, the top-2 experts tie to rounding, and a chunking that
+    # moves the layer's input by 1e-7 picks another expert: logits 6.5e-2 apart with equal state (found by this
+    # test: prompt 8 tokens, verifies of 5, 4 and 5, then token 0). MoE routing is a step function of its input,
+    # not a rollback property.
+    tok = st.integers(1, model.vocab_size - 1)
     d.prefill(data.draw(st.lists(tok, min_size=1, max_size=12), label="prompt"))
     d.history.append(f"prefill {len(d.acc)}")
     d.check_state()

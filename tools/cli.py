@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32, help="int4 block size (default 32)")
     p.add_argument("--int4-accuracy", type=int, choices=[1, 4], default=None,
                    help="MatMulNBits accuracy level: 4 = int8 activations (default for fp32: fastest on CPU), 1 = "
-                        "float32 math (default for fp16; what onnxruntime-web computes)")
+                        "float32 math (default for fp16 and for models with mixture-of-experts layers; what "
+                        "onnxruntime-web computes)")
     p.add_argument("--embedding-dtype", choices=["int4", "fp16", "fp32"], default=None,
                    help="storage of the token embedding table (default: int4 under --dtype fp32 --quant int4 where "
                         "the hidden size allows, fp16 under --dtype fp16 --quant int4 (CUDA cannot run the int4 "

@@ -31,6 +31,10 @@
 # part alone (smoke, greedy equality, draft_chain, the pair-a bench with graphs), no CPU track. pair2: the pair-a bench
 # of the previous H200 session's runtime (payload oldsrc.tar: snapspec 9107e52 laid out as installed) on the same
 # pair, then draft_chain recording prompts that differ from plain greedy instead of stopping.
+# final: the closing block of the GPU issue: tests/test_gpu.py; pair-a as exported by main (payload pairold/) and by
+# this checkout (pair/): nodes per step, chained speculation (old, new, old), kernel profiles
+# (benchmarks/kernel_profile.py); the 0.8B and 4B shapes (fp16, fp16 + int4) with llama.cpp CUDA beside them, as in
+# realscale, and the 9B in fp16 when the deadline allows.
 set -uo pipefail
 B=${BLOCK_DIR:-/tmp/blk}
 cmd=${1:?start|wait|collect}
@@ -93,7 +97,8 @@ install_src() {  # the package layout of pyproject.toml's package-dir, by copyin
     mkdir -p $B/shared/models/pair-a/target && cp $B/payload/tok/* $B/shared/models/pair-a/target/ &&
     py -c "import snapspec.runtime, snapspec.export, snapspec.tools.cli"
 }
-build_llama() {
+build_llama() {  # the source may come with a later payload (final plan: c3)
+  until [ -e $B/payload/llama.cpp-b11312-seedfix.tar.xz ]; do sleep 2; done
   mkdir -p $B/llama && tar xJf $B/payload/llama.cpp-b11312-seedfix.tar.xz -C $B/llama --strip-components=1
   cd $B/llama && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -282,6 +287,68 @@ track_gpu_chain() {
   [ -e $B/mark/pair-chain.ok ] && emitted_chain
   await export-d08-fp16 export-4b-fp16 && stage rs-4b-fp16-graph realscale 4b-fp16-graph t4b-fp16 d08-fp16 8
 }
+chain_dir() {  # chain_dir NAME PAIR K REPS: draft_chain.py on the pair in $B/payload/PAIR (chained vs one-step vs plain)
+  cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/draft_chain.py \
+    --target $B/payload/$2/target --drafter $B/payload/$2/drafter --ep cuda --cuda-graph 9 \
+    --prompts $B/payload/pair/prompts.jsonl --limit 8 --max-new-tokens 128 --k $3 --reps $4 \
+    --json $B/res/$1.json
+}
+kprofile() {  # kprofile NAME ROLE FOLDER...: kernels per step and their GPU time (benchmarks/kernel_profile.py)
+  local name=$1 role=$2; shift 2
+  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/kernel_profile.py "$@" \
+    --ep cuda --cuda-graph 8 --role $role --json $B/res/profile-$name.json
+}
+track_cpu_final() {  # the 0.8B and 4B shapes (exports by this checkout, GGUFs), then the 9B in fp16 if time allows
+  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
+    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16 &
+      stage export-d08-int4 export_one qwen35-0.8b d08-int4 --quant int4 &
+      stage gguf-qwen35-0.8b gguf qwen35-0.8b &
+      wait; rm -rf $R/ck/qwen35-0.8b; } &
+  else
+    skip export-d08-fp16 export-d08-int4 gguf-qwen35-0.8b
+  fi
+  if stage ckpt-qwen35-4b ckpt qwen35-4b; then
+    stage export-4b-fp16 export_one qwen35-4b t4b-fp16 &
+    stage export-4b-int4 export_one qwen35-4b t4b-int4 --quant int4 &
+    stage gguf-qwen35-4b gguf qwen35-4b &
+    wait; rm -rf $R/ck/qwen35-4b
+  else
+    skip export-4b-fp16 export-4b-int4 gguf-qwen35-4b
+  fi
+  wait
+  touch $B/mark/cpu-4b.ok
+  if stage ckpt-qwen35-9b ckpt qwen35-9b; then
+    stage export-9b-fp16 export_one qwen35-9b t9b-fp16
+    rm -rf $R/ck/qwen35-9b
+  else
+    skip export-9b-fp16
+  fi
+}
+track_gpu_final() {  # tests; pair-a main vs this checkout (nodes, chained speculation); kernel profiles; real shapes
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > $B/res/gpu.txt
+  await pair || true
+  stage tests tests
+  until [ -d $B/payload/pairold/target ] || late; do sleep 2; done
+  stage nodes-pair nodes pair $B/payload/pairold/drafter $B/payload/pair/drafter $B/payload/pairold/target \
+    $B/payload/pair/target
+  until [ -e $B/mark/cpu-4b.ok ] || late; do sleep 2; done  # host-sensitive rounds: after the 4B's CPU work
+  stage chain-old chain_dir pair-a-chain-old pairold 3 2
+  stage chain-new chain_dir pair-a-chain-new pair 1,2,3,4 3
+  stage chain-old2 chain_dir pair-a-chain-old2 pairold 3 2
+  [ -e $B/mark/chain-new.ok ] && py -c "import json; r = json.load(open('$B/res/pair-a-chain-new.json'))['configs']; print(','.join(f\"{l.split('=')[1]}:{x['mean_emitted_per_round']:.4f}\" for l, x in r.items() if l.startswith('chain k=') and not l.endswith('auto')))" > $B/res/pair-a-emitted.txt
+  stage prof-pair-drafter kprofile pair-drafter drafter $B/payload/pairold/drafter $B/payload/pair/drafter
+  stage prof-pair-target kprofile pair-target target $B/payload/pairold/target $B/payload/pair/target
+  await export-d08-fp16 export-4b-fp16 && stage prof-real kprofile real target $D/d08-fp16 $D/t4b-fp16
+  await export-d08-int4 || true
+  for dt in fp16 int4; do
+    await export-4b-$dt && stage rs-4b-$dt-graph realscale 4b-$dt-graph t4b-$dt d08-$dt 8
+  done
+  for s in qwen35-0.8b qwen35-4b; do
+    await gguf-$s && for q in f16 q4_0; do stage llama-$s-$q llama_bench $s $q; done
+  done
+  rm -rf $R/gg/qwen35-4b-* $D/t4b-int4
+  await export-9b-fp16 && stage rs-9b-fp16-graph realscale 9b-fp16-graph t9b-fp16 d08-fp16 8
+}
 track_cpu_pair() { :; }
 track_cpu_pair2() { :; }
 track_gpu_pair2() {
@@ -298,7 +365,7 @@ track_gpu_pair() {
 }
 run_cpu() {
   mkdir -p $R/ck $R/gg $D
-  [ $(plan) = realscale ] && { stage build build_llama & }
+  case $(plan) in realscale|final) stage build build_llama & ;; esac
   track_cpu_$(plan) &
   wait
   touch $B/mark/cpu.ok

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build the payloads tools/h200_block.sh takes on the GPU machine, in folders that each fit one device call's
 # 64 MiB transfer (the checkout travels too: ~9 MB):
-#   tools/h200_payload.sh OUT_DIR              (PLAN=chain: the draft-chain block, without llama.cpp and f1..f4)
+#   tools/h200_payload.sh OUT_DIR              (PLAN=chain: the draft-chain block, without llama.cpp and f1..f4;
+#                                               PLAN=final OLD_SNAPSPEC=...: llama.cpp, no f1..f4, and c3/pairold:
+#                                               pair-a exported by the baseline checkout's snapspec)
 # OUT_DIR/c1: the block script, src.tar (git archive HEAD, without the demo weights), the llama.cpp source (realscale
 #             plan), pair-a's tokenizer, and part 1 of the sm_90-only onnxruntime-gpu package (tools/ort_sm90.py)
 # OUT_DIR/c2: its part 2 and pair/ (pair-a exported --dtype fp16 --quant int4 --embedding-dtype fp16 by this
@@ -38,8 +40,11 @@ if [ $plan = realscale ]; then
   fi
   (cd $work && rm -f ort.tar.xz.[0-9]* && split -d -a 1 -n 4 ort.tar.xz ort.tar.xz.)
   for i in 0 1 2 3; do mkdir -p $out/f$((i + 1)) && cp $work/ort.tar.xz.$i $out/f$((i + 1))/; done
-  cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c1/
 fi
+case $plan in  # final: c1 would pass 64 MiB with the checkout beside it; c3 carries the source
+  realscale) cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c1/ ;;
+  final) mkdir -p $out/c3 && cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c3/ ;;
+esac
 cp $repo/tools/h200_block.sh $out/c1/
 echo $plan > $out/c1/plan
 (cd $repo && git archive HEAD -- . ':!snapspec/demo/*/*.safetensors') > $out/c1/src.tar
@@ -50,4 +55,11 @@ for m in target drafter; do
   snapspec export $shared/models/pair-a/$m -o $out/c2/pair/$m --dtype fp16 --quant int4 --embedding-dtype fp16 --force
 done
 cp $shared/models/pair-a/prompts.jsonl $out/c2/pair/
-du -sh $out/c1 $out/c2
+if [ $plan = final ]; then  # OLD_SNAPSPEC: the snapspec command of the checkout to compare with (e.g. main's venv)
+  rm -rf $out/c3/pairold && mkdir -p $out/c3/pairold
+  for m in target drafter; do
+    "${OLD_SNAPSPEC:?OLD_SNAPSPEC: the snapspec command of the baseline checkout}" export $shared/models/pair-a/$m \
+      -o $out/c3/pairold/$m --dtype fp16 --quant int4 --embedding-dtype fp16 --force
+  done
+fi
+du -sh $out/c1 $out/c2 $out/c3 2>/dev/null
