@@ -344,7 +344,8 @@ class Decoder:
     def _gdn_gates(self, g: Graph, b: str, a: str, a_log, dt_bias, v_heads: int) -> tuple[str, str]:
         """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)) from float32 b and a, in float32: one
         LinearAttentionGate, which keeps the intermediates in float32 registers (Sigmoid, Add, Softplus and Mul
-        were four nodes, six where the Softplus needed its padding, see _softplus)."""
+        were four nodes, six where onnxruntime's CPU Softplus needed its rows padded to a multiple of 16 to give a
+        value the same bits in a one-token step as in a row of a k-token forward)."""
         decay, beta = g.op("LinearAttentionGate",
                            [a, g.const("dt_bias", np.asarray(dt_bias, np.float32), keep_dtype=True),
                             g.const("neg_A", -np.exp(np.asarray(a_log, np.float32)), keep_dtype=True), b],
@@ -702,23 +703,13 @@ class Decoder:
         return {"state": [asdict(s) for s in self.state], "rollback_data": packed}
 
 
-def _softplus(g: Graph, x: str, width: int, leaf: str) -> str:
-    """Softplus of [batch, tokens, width] whose value per element does not depend on the call's token count.
-
-    onnxruntime's CPU kernel computes the last n % 4 values of a buffer with a scalar formula that rounds
-    differently from its vector one, so the same value gave another result in a one-token step than in a row of
-    a k-token forward. Rows padded to a multiple of 16 keep every value on the vector path."""
-    pad = -width % 16
-    if not pad:
-        return g.op("Softplus", [x], leaf)
-    padded = g.op("Pad", [x, g.ints(f"{leaf}/pads", [0, 0, 0, 0, 0, pad])], f"{leaf}/pad")
-    return g.op("Slice", [g.op("Softplus", [padded], leaf), g.ints(f"{leaf}/start", [0]), g.ints(f"{leaf}/end", [width]),
-                          g.ints(f"{leaf}/axis", [2])], f"{leaf}/unpad")
-
-
 def _mamba_dt(g: Graph, dt_raw: str, dt_bias, heads: int, dt_limit: tuple[float, float]) -> str:
-    """Mamba2's time step: softplus(dt_raw + dt_bias), clipped to dt_limit when it is not (0, inf)."""
-    dt = _softplus(g, g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add"), heads, "dt_softplus")
+    """Mamba2's time step: softplus(dt_raw + dt_bias), clipped to dt_limit when it is not (0, inf). The softplus is
+    a LinearAttentionGate with decay scale 1 and no beta: one node computing in float32, where Add and Softplus were
+    two (four with the padding the CPU Softplus needed, see _gdn_gates)."""
+    dt = g.op("LinearAttentionGate", [dt_raw, g.const("dt_bias", np.asarray(dt_bias, np.float32), keep_dtype=True),
+                                      g.const("dt_scale", np.ones(heads, np.float32), keep_dtype=True)],
+              "dt_softplus", domain=MS)
     lo, hi = dt_limit
     if lo > 0.0 or hi != float("inf"):
         dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
