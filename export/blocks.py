@@ -24,8 +24,10 @@ k-row == one-row property the runtime relies on), so the replay sees exactly wha
 step copies one slice per layer instead of one per transition input.
 
 Kernels per step are what a small model's step costs on a GPU (one launch per node in a captured CUDA graph), so
-the blocks prefer one node over several: the L2 norms of q and k are one SimplifiedLayerNormalization, and a
-float16 Gated DeltaNet layer casts twice (its input projection's output up, its gated norm's output down).
+the blocks prefer one node over several, using onnxruntime's fused contrib ops where they exist on every provider
+snapspec runs (CPU, CUDA, WebGPU, onnxruntime-web): in a Gated DeltaNet layer the L2 norms of q and k are one
+SimplifiedLayerNormalization, the gates one LinearAttentionGate, the gated norm one GatedRMSNorm, and a float16
+layer casts twice (its input projection's output up, its gated norm's output down).
 """
 
 from __future__ import annotations
@@ -328,11 +330,11 @@ class Decoder:
         core = self._gated_delta(g, q, k, v, decay, beta, past_rec, present_rec, v_heads, k_dim)
         g.output(present_rec, present_rec, F32, rec_shape)
 
-        # Gated RMSNorm per value head, then the output projection.
-        o = g.rms_norm(g.reshape(core, [0, 0, v_heads, v_dim], "o_heads"), np.asarray(norm_w, np.float32), eps, "norm",
-                       keep_dtype=True)
-        zg = g.silu(g.reshape(z, [0, 0, v_heads, v_dim], "z_heads"), "z_silu")
-        o = g.reshape(g.op("Mul", [o, zg], "gate"), [0, 0, v_heads * v_dim], "o_flat")
+        # Gated RMSNorm per value head (rms_norm(o) * w * silu(z), each group of v_dim values of the packed heads
+        # normalised on its own: one GatedRMSNorm), then the output projection. The silu gate is the op's default,
+        # left unsaid: onnxruntime-web 1.30's GatedRMSNorm has no `activation` attribute and refuses one.
+        o = g.op("GatedRMSNorm", [core, g.const("norm/weight", np.asarray(norm_w, np.float32), keep_dtype=True), z],
+                 "norm", domain=MS, epsilon=float(eps))
         if g.onnx_dtype != F32:
             o = g.op("Cast", [o], "o_f16", to=g.onnx_dtype)
 
@@ -340,12 +342,14 @@ class Decoder:
         return g.linear(o, out_w, "out_proj")
 
     def _gdn_gates(self, g: Graph, b: str, a: str, a_log, dt_bias, v_heads: int) -> tuple[str, str]:
-        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)) from float32 b and a, in float32."""
-        beta = g.op("Sigmoid", [b], "beta")
-        decay = g.op("Mul", [g.const("neg_A", -np.exp(a_log.astype(np.float32)), keep_dtype=True),
-                             _softplus(g, g.op("Add", [a, g.const("dt_bias", np.asarray(dt_bias, np.float32),
-                                                                   keep_dtype=True)], "dt_add"), v_heads,
-                                       "Softplus")], "decay")
+        """(beta, decay) = (sigmoid(b), -exp(A_log) * softplus(a + dt_bias)) from float32 b and a, in float32: one
+        LinearAttentionGate, which keeps the intermediates in float32 registers (Sigmoid, Add, Softplus and Mul
+        were four nodes, six where onnxruntime's CPU Softplus needed its rows padded to a multiple of 16 to give a
+        value the same bits in a one-token step as in a row of a k-token forward)."""
+        decay, beta = g.op("LinearAttentionGate",
+                           [a, g.const("dt_bias", np.asarray(dt_bias, np.float32), keep_dtype=True),
+                            g.const("neg_A", -np.exp(np.asarray(a_log, np.float32)), keep_dtype=True), b],
+                           "gates", n_out=2, domain=MS)
         return beta, decay
 
     def _qkv_heads(self, g: Graph, conv_out: str, k_heads: int, v_heads: int, k_dim: int, v_dim: int):
@@ -699,23 +703,13 @@ class Decoder:
         return {"state": [asdict(s) for s in self.state], "rollback_data": packed}
 
 
-def _softplus(g: Graph, x: str, width: int, leaf: str) -> str:
-    """Softplus of [batch, tokens, width] whose value per element does not depend on the call's token count.
-
-    onnxruntime's CPU kernel computes the last n % 4 values of a buffer with a scalar formula that rounds
-    differently from its vector one, so the same value gave another result in a one-token step than in a row of
-    a k-token forward. Rows padded to a multiple of 16 keep every value on the vector path."""
-    pad = -width % 16
-    if not pad:
-        return g.op("Softplus", [x], leaf)
-    padded = g.op("Pad", [x, g.ints(f"{leaf}/pads", [0, 0, 0, 0, 0, pad])], f"{leaf}/pad")
-    return g.op("Slice", [g.op("Softplus", [padded], leaf), g.ints(f"{leaf}/start", [0]), g.ints(f"{leaf}/end", [width]),
-                          g.ints(f"{leaf}/axis", [2])], f"{leaf}/unpad")
-
-
 def _mamba_dt(g: Graph, dt_raw: str, dt_bias, heads: int, dt_limit: tuple[float, float]) -> str:
-    """Mamba2's time step: softplus(dt_raw + dt_bias), clipped to dt_limit when it is not (0, inf)."""
-    dt = _softplus(g, g.op("Add", [dt_raw, g.const("dt_bias", dt_bias)], "dt_add"), heads, "dt_softplus")
+    """Mamba2's time step: softplus(dt_raw + dt_bias), clipped to dt_limit when it is not (0, inf). The softplus is
+    a LinearAttentionGate with decay scale 1 and no beta: one node computing in float32, where Add and Softplus were
+    two (four with the padding the CPU Softplus needed, see _gdn_gates)."""
+    dt = g.op("LinearAttentionGate", [dt_raw, g.const("dt_bias", np.asarray(dt_bias, np.float32), keep_dtype=True),
+                                      g.const("dt_scale", np.ones(heads, np.float32), keep_dtype=True)],
+              "dt_softplus", domain=MS)
     lo, hi = dt_limit
     if lo > 0.0 or hi != float("inf"):
         dt = g.op("Clip", [dt, g.const("dt_min", np.float32(lo)),
