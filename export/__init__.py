@@ -21,7 +21,7 @@ import onnx
 import snapspec
 from snapspec import SnapspecError, manifest
 
-from . import arch, genai_config, window
+from . import arch, genai_config, ring, window
 from .blocks import Decoder
 from .checkpoint import Checkpoint
 from .external import DataFile
@@ -129,6 +129,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         has_replay = bool(dec.rollback)
         if has_replay:
             _save(dec.replay.to_model(), tmp / "replay.onnx")
+            ring.write(tmp / "model.onnx")
         elif data[1].path.exists():
             data[1].path.unlink()
         state_window = rollback_window if has_replay and rollback_window <= window.MAX_WINDOW else None
@@ -301,6 +302,9 @@ def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_w
     if has_replay:
         graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
                             "outputs": [o.name for o in dec.replay.outputs]}
+        graphs["forward_ring"] = {"file": ring.FILE, "inputs": graphs["forward"]["inputs"],
+                                  "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],
+                                  **heads}
     if state_window:
         graphs["forward_window"] = {"file": window.FILE, "inputs": graphs["forward"]["inputs"],
                                     "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],

@@ -82,7 +82,8 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
 
     recurrent: which forward graph carries the recurrent state. auto: the state-window graph for a target on CUDA
     when the export has one (rollback picks a state; measured faster than replay there, BENCHMARKS.md), else the
-    forward graph with replay (target) or ring slots (drafter). replay / window force one.
+    forward graph with replay (target), or for a drafter, which rolls back by ring slots, the forward graph without
+    the replay's rollback data when the export has it (export/ring.py). replay / window force one.
 
     spin: let the forward session's threads spin between runs, which suits back-to-back target steps. Load a
     drafter with spin=False: every session owns a thread pool, and an idle pool that spins steals the cores the
@@ -132,7 +133,7 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
 
 
 def _forward_graph(m: manifest.Manifest, ep: str, role: str, recurrent: str) -> str:
-    """forward or forward_window (see load)."""
+    """forward, forward_window or forward_ring (see load)."""
     if recurrent not in ("auto", "replay", "window"):
         raise SnapspecError(f"unknown recurrent rollback {recurrent!r}: use auto, replay or window")
     has_window = m.graph_path("forward_window") is not None
@@ -144,7 +145,11 @@ def _forward_graph(m: manifest.Manifest, ep: str, role: str, recurrent: str) -> 
             raise SnapspecError(f"the state-window graph runs on CUDA only (onnxruntime's state_window), not on {ep}; "
                                 "use --ep cuda or --recurrent-rollback replay")
         return "forward_window"
-    return "forward_window" if recurrent == "auto" and has_window and ep == "cuda" and role == "target" else "forward"
+    if recurrent == "auto" and has_window and ep == "cuda" and role == "target":
+        return "forward_window"
+    if recurrent == "auto" and role == "drafter" and m.graph_path("forward_ring") is not None:
+        return "forward_ring"
+    return "forward"
 
 
 def _options(threads: int | None, spin: bool) -> ort.SessionOptions:

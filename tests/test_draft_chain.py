@@ -140,3 +140,32 @@ def test_cuda_refuses_an_int4_embedding(tiny_export):
     default = read_manifest(tiny_export("qwen3_5_text", dtype="float16", quant="int4", block_size=16), True)
     assert default.data["export"]["embedding_dtype"] == "float16"
     _check_cuda_support(default)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2"])
+def test_drafter_runs_the_graph_without_rollback_data(tiny_export, arch):
+    """A model loaded as a drafter runs model_ring.onnx: the forward graph without the replay's rollback data (and
+    its nodes), giving the forward graph's logits bit for bit, through ring rollbacks; replay is refused on it in
+    one line, and a target still gets the forward graph with its replay graph."""
+    import onnx
+
+    folder = tiny_export(arch)
+    drafter, target = load(folder, role="drafter", threads=1), load(folder, threads=1)
+    outs = {o.name for o in drafter.session.get_outputs()}
+    assert "rollback_data" not in outs and "rollback_data" in {o.name for o in target.session.get_outputs()}
+    assert drafter.replay is None and target.replay is not None
+    nodes = [len(onnx.load(str(folder / f), load_external_data=False).graph.node)
+             for f in ("model_ring.onnx", "model.onnx")]
+    assert nodes[0] < nodes[1]
+    a, b = Context(drafter, 64, mode="ring", window=4), Context(target, 64, mode="ring", window=4)
+    tokens = list(range(3, 40))
+    for c in (a, b):
+        c.forward(tokens[:9])
+        for t in tokens[9:13]:  # one-token steps, as drafts are: each leaves a ring slot to return to
+            c.forward([t])
+        c.rollback(10)
+    for i in range(10, 20):
+        ra, rb = a.forward([tokens[i]]), b.forward([tokens[i]])
+        np.testing.assert_array_equal(ra.logits, rb.logits)
+    with pytest.raises(SnapspecError, match="no replay graph"):
+        Context(drafter, 64, mode="replay")

@@ -190,7 +190,8 @@ def test_quantize_int4_bit_exact_with_reference(k, block):
 
 
 def test_forward_window_and_replay_graphs_point_into_their_data_files(tiny_export):
-    """The graphs hold references only: every external initializer of model_window.onnx is one of model.onnx's
+    """The graphs hold references only: every external initializer of model_window.onnx and model_ring.onnx is one
+    of model.onnx's
     (same file, offset, length), each graph's references stay inside its data file and end at its end, and onnx
     reads every tensor back."""
     folder = tiny_export("qwen3_5_text")
@@ -205,7 +206,9 @@ def test_forward_window_and_replay_graphs_point_into_their_data_files(tiny_expor
         return out
 
     fwd, win, rep = refs("model.onnx"), refs("model_window.onnx"), refs("replay.onnx")
+    ring = refs("model_ring.onnx")
     assert win and all(fwd[n] == r for n, r in win.items())
+    assert ring and all(fwd[n] == r for n, r in ring.items())
     for refs_, data in ((fwd, "model.onnx.data"), (rep, "replay.onnx.data")):
         size = (folder / data).stat().st_size
         assert {r["location"] for r in refs_.values()} == {data}

@@ -34,7 +34,8 @@
 # final: the closing block of the GPU issue: tests/test_gpu.py; pair-a as exported by main (payload pairold/) and by
 # this checkout (pair/): nodes per step, chained speculation (old, new, old), kernel profiles
 # (benchmarks/kernel_profile.py); the 0.8B and 4B shapes (fp16, fp16 + int4) with llama.cpp CUDA beside them, as in
-# realscale, and the 9B in fp16 when the deadline allows.
+# realscale, and the 9B in fp16 when the deadline allows. pairab: the pair-a part of final (main vs this checkout,
+# a drafter's profile) and the 4B's cost-model terms with the 0.8B drafter, without llama.cpp.
 set -uo pipefail
 B=${BLOCK_DIR:-/tmp/blk}
 cmd=${1:?start|wait|collect}
@@ -348,6 +349,34 @@ track_gpu_final() {  # tests; pair-a main vs this checkout (nodes, chained specu
   done
   rm -rf $R/gg/qwen35-4b-* $D/t4b-int4
   await export-9b-fp16 && stage rs-9b-fp16-graph realscale 9b-fp16-graph t9b-fp16 d08-fp16 8
+}
+track_cpu_pairab() {  # the 0.8B and 4B shapes in fp16, exported by this checkout
+  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
+    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16; rm -rf $R/ck/qwen35-0.8b; } &
+  else
+    skip export-d08-fp16
+  fi
+  if stage ckpt-qwen35-4b ckpt qwen35-4b; then
+    stage export-4b-fp16 export_one qwen35-4b t4b-fp16; rm -rf $R/ck/qwen35-4b
+  else
+    skip export-4b-fp16
+  fi
+  wait
+}
+track_gpu_pairab() {  # pair-a as exported by main (pairold/) and by this checkout (pair/), then the 4B's costs
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv > $B/res/gpu.txt
+  await pair || true
+  until [ -d $B/payload/pairold/target ] || late; do sleep 2; done
+  stage tests tests -k "chained or cuda_graph or device_checkpoint"
+  stage nodes-pair nodes pair $B/payload/pairold/drafter $B/payload/pair/drafter
+  quiet 240
+  stage chain-old chain_dir pair-a-chain-old pairold 3 2
+  stage chain-new chain_dir pair-a-chain-new pair 1,2,3,4 3
+  stage chain-old2 chain_dir pair-a-chain-old2 pairold 3 2
+  [ -e $B/mark/chain-new.ok ] && py -c "import json; r = json.load(open('$B/res/pair-a-chain-new.json'))['configs']; print(','.join(f\"{l.split('=')[1]}:{x['mean_emitted_per_round']:.4f}\" for l, x in r.items() if l.startswith('chain k=') and not l.endswith('auto')))" > $B/res/pair-a-emitted.txt
+  stage prof-pair-drafter kprofile pair-drafter drafter $B/payload/pairold/drafter $B/payload/pair/drafter
+  await export-d08-fp16 export-4b-fp16 && stage rs-4b-fp16-graph realscale 4b-fp16-graph t4b-fp16 d08-fp16 8
+  [ -e $B/mark/export-d08-fp16.ok ] && stage prof-d08 kprofile d08 drafter $D/d08-fp16
 }
 track_cpu_pair() { :; }
 track_cpu_pair2() { :; }

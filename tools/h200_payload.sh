@@ -55,7 +55,7 @@ for m in target drafter; do
   snapspec export $shared/models/pair-a/$m -o $out/c2/pair/$m --dtype fp16 --quant int4 --embedding-dtype fp16 --force
 done
 cp $shared/models/pair-a/prompts.jsonl $out/c2/pair/
-if [ $plan = final ]; then  # OLD_SNAPSPEC: the snapspec command of the checkout to compare with (e.g. main's venv)
+if [ $plan = final ] || [ $plan = pairab ]; then  # OLD_SNAPSPEC: the snapspec command of the checkout to compare with (e.g. main's venv)
   rm -rf $out/c3/pairold && mkdir -p $out/c3/pairold
   for m in target drafter; do
     "${OLD_SNAPSPEC:?OLD_SNAPSPEC: the snapspec command of the baseline checkout}" export $shared/models/pair-a/$m \
