@@ -24,8 +24,9 @@ k-row == one-row property the runtime relies on), so the replay sees exactly wha
 step copies one slice per layer instead of one per transition input.
 
 Kernels per step are what a small model's step costs on a GPU (one launch per node in a captured CUDA graph), so
-the blocks prefer one node over several, using onnxruntime's fused contrib ops where they exist on every provider
-snapspec runs (CPU, CUDA, WebGPU, onnxruntime-web): in a Gated DeltaNet layer the L2 norms of q and k are one
+the blocks prefer one node over several, using onnxruntime's fused contrib ops where the providers snapspec runs
+accept them (checked: CPU 1.32, CUDA 1.31.1, onnxruntime-web 1.30; a provider without a kernel for one runs that
+node on CPU, as onnxruntime places any node): in a Gated DeltaNet layer the L2 norms of q and k are one
 SimplifiedLayerNormalization, the gates one LinearAttentionGate, the gated norm one GatedRMSNorm, and a float16
 layer casts twice (its input projection's output up, its gated norm's output down).
 """
