@@ -25,7 +25,6 @@ import numpy as np
 
 
 def graph(n: int, k: int, block: int, rng: np.random.Generator) -> bytes:
-    import onnx
     from onnx import TensorProto as T
     from onnx import helper as h
     from onnx import numpy_helper as nh
