@@ -24,8 +24,10 @@ from pathlib import Path
 
 FAMILIES = (  # (family, substrings of the kernel's name), first match wins; the rest is "other"
     ("weights (GEMV/GEMM)", ("gemv", "gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "dequantize", "4bits")),
-    ("attention", ("attention", "flash", "rotary", "concatnewtopast", "kvcache", "gqa")),
-    ("linear attention + conv", ("linear", "delta", "causalconv", "conv")),
+    # before "attention", which onnxruntime's LinearAttention* kernel names also contain
+    ("gates (LinearAttentionGate)", ("linearattentiongate",)),
+    ("gated delta rule + conv", ("linearattention", "gateddelta", "causalconv")),
+    ("attention", ("attention", "flash", "sdpa", "rotary", "concatnewtopast", "kvcache", "gqa")),
     ("norms", ("layernorm", "layer_norm", "rmsnorm", "skiplayer")),
     ("elementwise", ("elementwise", "unary", "binary", "cast", "sigmoid", "softplus", "silu", "gelu", "_add", "mul",
                      "impl_")),

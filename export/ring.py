@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 
-from .window import _prune
+from .window import drop_rollback_data
 
 FILE = "model_ring.onnx"
 
@@ -21,11 +21,7 @@ FILE = "model_ring.onnx"
 def write(forward_path: Path) -> Path:
     """Write the variant of the saved graph at forward_path beside it, without `rollback_data` and its nodes."""
     model = onnx.load(str(forward_path), load_external_data=False)
-    graph = model.graph
-    kept_outputs = [o for o in graph.output if o.name != "rollback_data"]
-    del graph.output[:]
-    graph.output.extend(kept_outputs)
-    _prune(graph)
+    drop_rollback_data(model.graph)
     out = forward_path.with_name(FILE)
     onnx.save_model(model, str(out))
     return out

@@ -31,13 +31,18 @@ def write(forward_path: Path, state_names: set[str], window: int) -> Path:
         if value.name in state_names:
             dims = value.type.tensor_type.shape.dim
             dims.insert(0, onnx.TensorShapeProto.Dimension(dim_value=window))
+    drop_rollback_data(graph)
+    out = forward_path.with_name(FILE)
+    onnx.save_model(model, str(out))
+    return out
+
+
+def drop_rollback_data(graph: onnx.GraphProto) -> None:
+    """Remove the `rollback_data` output and the nodes and initializers only it needed (its Concat tree)."""
     kept_outputs = [o for o in graph.output if o.name != "rollback_data"]
     del graph.output[:]
     graph.output.extend(kept_outputs)
     _prune(graph)
-    out = forward_path.with_name(FILE)
-    onnx.save_model(model, str(out))
-    return out
 
 
 def _prune(graph: onnx.GraphProto) -> None:

@@ -150,22 +150,20 @@ emitted() {  # mean tokens per round by k, from the pair-a bench: the acceptance
 }
 tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider "$@"; }
 
+shape_files() {  # shape_files SHAPE TAG DIR: exports DIR-fp16, DIR-int4 and the GGUFs of a generated checkpoint, then
+  # its removal (stages export-TAG-fp16, export-TAG-int4, gguf-SHAPE)
+  stage export-$2-fp16 export_one $1 $3-fp16 &
+  stage export-$2-int4 export_one $1 $3-int4 --quant int4 &
+  stage gguf-$1 gguf $1 &
+  wait; rm -rf $R/ck/$1
+}
+skip_shape() { skip export-$2-fp16 export-$2-int4 gguf-$1; }  # skip_shape SHAPE TAG: its checkpoint failed
 track_cpu_realscale() {  # checkpoints one after the other; each size's exports and GGUFs beside the next checkpoint
-  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
-    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16 &
-      stage export-d08-int4 export_one qwen35-0.8b d08-int4 --quant int4 &
-      stage gguf-qwen35-0.8b gguf qwen35-0.8b &
-      wait; rm -rf $R/ck/qwen35-0.8b; } &
-  else
-    skip export-d08-fp16 export-d08-int4 gguf-qwen35-0.8b
-  fi
+  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then shape_files qwen35-0.8b d08 d08 & else skip_shape qwen35-0.8b d08; fi
   if stage ckpt-qwen35-4b ckpt qwen35-4b; then
-    { stage export-4b-fp16 export_one qwen35-4b t4b-fp16 &
-      stage export-4b-int4 export_one qwen35-4b t4b-int4 --quant int4 &
-      stage gguf-qwen35-4b gguf qwen35-4b &
-      wait; rm -rf $R/ck/qwen35-4b; touch $B/mark/cpu-4b.ok; } &
+    { shape_files qwen35-4b 4b t4b; touch $B/mark/cpu-4b.ok; } &
   else
-    skip export-4b-fp16 export-4b-int4 gguf-qwen35-4b; touch $B/mark/cpu-4b.ok
+    skip_shape qwen35-4b 4b; touch $B/mark/cpu-4b.ok
   fi
   stage ckpt-qwen35-9b ckpt qwen35-9b
   until [ -e $B/mark/cpu-4b.ok ]; do sleep 2; done  # memory: two 9B exports need the 4B's out of the way
@@ -300,22 +298,8 @@ kprofile() {  # kprofile NAME ROLE FOLDER...: kernels per step and their GPU tim
     --ep cuda --cuda-graph 8 --role $role --json $B/res/profile-$name.json
 }
 track_cpu_final() {  # the 0.8B and 4B shapes (exports by this checkout, GGUFs), then the 9B in fp16 if time allows
-  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then
-    { stage export-d08-fp16 export_one qwen35-0.8b d08-fp16 &
-      stage export-d08-int4 export_one qwen35-0.8b d08-int4 --quant int4 &
-      stage gguf-qwen35-0.8b gguf qwen35-0.8b &
-      wait; rm -rf $R/ck/qwen35-0.8b; } &
-  else
-    skip export-d08-fp16 export-d08-int4 gguf-qwen35-0.8b
-  fi
-  if stage ckpt-qwen35-4b ckpt qwen35-4b; then
-    stage export-4b-fp16 export_one qwen35-4b t4b-fp16 &
-    stage export-4b-int4 export_one qwen35-4b t4b-int4 --quant int4 &
-    stage gguf-qwen35-4b gguf qwen35-4b &
-    wait; rm -rf $R/ck/qwen35-4b
-  else
-    skip export-4b-fp16 export-4b-int4 gguf-qwen35-4b
-  fi
+  if stage ckpt-qwen35-0.8b ckpt qwen35-0.8b; then shape_files qwen35-0.8b d08 d08 & else skip_shape qwen35-0.8b d08; fi
+  if stage ckpt-qwen35-4b ckpt qwen35-4b; then shape_files qwen35-4b 4b t4b; else skip_shape qwen35-4b 4b; fi
   wait
   touch $B/mark/cpu-4b.ok
   if stage ckpt-qwen35-9b ckpt qwen35-9b; then
