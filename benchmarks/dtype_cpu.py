@@ -45,7 +45,7 @@ def main() -> None:
     for name in ("fp32", "fp16", "int4", "fp32"):
         out = args.scratch / f"dtype-{name}"
         flags = ["--quant", "int4"] if name == "int4" else ["--dtype", name]
-        subprocess.run([sys.executable, "-m", "snapspec.tools.cli", "export", str(args.ckpt), "-o", str(out),
+        subprocess.run([sys.executable, "-m", "snapspec.cli.main", "export", str(args.ckpt), "-o", str(out),
                         "--force", *flags], check=True, capture_output=True)
         size = sum(p.stat().st_size for p in out.iterdir())
         r = subprocess.run([sys.executable, "-c", _CHILD, str(out)], capture_output=True, text=True, check=False)

@@ -50,7 +50,7 @@ def size_mb(path: Path) -> int:
 
 def snapspec_run(ckpt: Path, out: Path, dtype: str, log: Path) -> dict:
     args = ["--quant", "int4"] if dtype == "int4" else ["--dtype", dtype]
-    r = timed([sys.executable, "-m", "snapspec.tools.cli", "export", str(ckpt), "-o", str(out), *args], log)
+    r = timed([sys.executable, "-m", "snapspec.cli.main", "export", str(ckpt), "-o", str(out), *args], log)
     r["output_mb"] = size_mb(out)
     shutil.rmtree(out)
     return r

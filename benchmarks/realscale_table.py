@@ -1,4 +1,4 @@
-"""The BENCHMARKS.md "H200 real shapes" tables, from the raw outputs of tools/h200_block.sh.
+"""The BENCHMARKS.md "H200 real shapes" tables, from the raw outputs of scripts/gpu/h200_block.sh.
 
     python benchmarks/realscale_table.py benchmarks/h200-realscale
 

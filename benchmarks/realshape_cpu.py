@@ -170,7 +170,7 @@ def prepare(a, name: str, variant: str) -> tuple[Path, Path]:
         # fp32 | int4 | int4-b64 | int4-b128 (a larger int4 block: smaller and faster, k-row != 1-row results)
         quant = (["--quant", "int4"] + (["--block-size", variant.split("-b")[1]] if "-b" in variant else [])
                  if variant.startswith("int4") else [])
-        subprocess.run([sys.executable, "-m", "snapspec.tools.cli", "export", str(ckpt), "-o", str(folder), *quant],
+        subprocess.run([sys.executable, "-m", "snapspec.cli.main", "export", str(ckpt), "-o", str(folder), *quant],
                        check=True)
     f32 = a.work / f"{name}-f32.gguf"
     gguf = f32 if variant == "fp32" else a.work / f"{name}-q4_0.gguf"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train the tiny demo drafter/target pair that ships in ``snapspec/demo/``.
+"""Train the tiny demo drafter/target pair that ships in ``src/snapspec/demo/``.
 
 Standalone script (not imported by the package). It produces two Hugging Face
 checkpoints of transformers' Qwen3.5 text model (``Qwen3_5ForCausalLM``,

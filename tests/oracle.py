@@ -169,13 +169,13 @@ def fp32_activations(folder: Path) -> bytes:
 
 @torch.no_grad()
 def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
-    """Replace, in place, every weight the int4 export quantizes by its dequantized value (export/quant.py).
+    """Replace, in place, every weight the int4 export quantizes by its dequantized value (src/snapspec/export/quant.py).
 
     That is: every nn.Linear whose in_features is a multiple of the block size (the tied output projection too,
     so the input embedding is untied first), the input embedding under the same condition (quantized by rows, as
     the output projection), and MoE expert tensors when hidden and expert widths both are and the
     router renormalises its top-k (the conditions under which Decoder.moe uses QMoE; Granite's router always does).
-    Nemotron-H's squared-ReLU experts run as two plain linears over all experts (export/arch/nemotron_h.py): each
+    Nemotron-H's squared-ReLU experts run as two plain linears over all experts (src/snapspec/export/arch/nemotron_h.py): each
     expert's up projection is quantized when its input width is a multiple of the block size, and the down
     projections side by side, one (d, E * I) matrix, when E * I is."""
     emb = model.get_input_embeddings()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # h-fuse on the H200: CUDA node counts and drafter step costs of exports before (main) and after (h-fuse).
 # Two device calls (each under 64 MiB): .gpu/fuse-a (copied to /tmp/fz by the first) = part 0 of the sm_90-only
-# onnxruntime-gpu 1.31.1 package (tools/h200_payload.sh builds it) + src-new.tgz / src-old.tgz (git archive of h-fuse
+# onnxruntime-gpu 1.31.1 package (scripts/gpu/h200_payload.sh builds it) + src-new.tgz / src-old.tgz (git archive of h-fuse
 # and main, without tests, web and benchmark outputs); .gpu/fuse-b = part 1, pair-a's drafter exported by main (d-old)
 # and h-fuse (d-new), its target by h-fuse (t-new), all --dtype fp16 --quant int4 --embedding-dtype fp16, the tokenizer
 # (tok/) and prompts.jsonl. The 0.8B shape is generated and exported on the machine.
@@ -20,7 +20,7 @@ for d in old new; do
     --limit 8 --max-new-tokens 128 --k 3 --reps 2 --json $OUT/chain-pair-$d.json 2>&1 | tail -25
 done
 python3 src-new/benchmarks/checkpoints.py qwen35-0.8b ck/d08 --device cuda 2>&1 | tail -2
-for v in old new; do PYTHONPATH=$B/site-$v python3 -m snapspec.tools.cli export ck/d08 -o e/d08-$v --dtype fp16 --force 2>&1 | tail -1; done
+for v in old new; do PYTHONPATH=$B/site-$v python3 -m snapspec.cli.main export ck/d08 -o e/d08-$v --dtype fp16 --force 2>&1 | tail -1; done
 python3 src-new/benchmarks/graph_nodes.py e/d08-old e/d08-new --ep cuda --json $OUT/nodes-real.json 2>&1 | cut -c1-300
 python3 src-new/benchmarks/draft_chain.py --target e/d08-new --drafter e/d08-old --ep cuda --cuda-graph 9 --prompts prompts.jsonl \
     --limit 1 --max-new-tokens 16 --k 3 --reps 2 --json $OUT/chain-d08-old.json 2>&1 | tail -14

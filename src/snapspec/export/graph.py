@@ -1,0 +1,225 @@
+"""A small ONNX graph builder: deterministic names, typed initializers, int4 linears.
+
+Node and tensor names follow module paths (`/model/layers.3/linear_attn/conv`), so two exports diff like code.
+Weights arrive in Hugging Face layout (out_features, in_features) as float32 NumPy arrays or Lazy tensors
+(src/snapspec/export/lazy.py) and are stored in the export dtype, or as MatMulNBits blobs when int4 quantization is on.
+
+Given a DataFile, an initializer is written to it when it is made (`const`) and the graph keeps only a reference
+(src/snapspec/export/external.py), so building a graph holds one tensor block at a time, whatever the model's size. Without one
+(tests that build a graph in memory) initializers are kept in the protos. Initializers under 1 KiB stay inline
+either way. An initializer is a name: any number of nodes may read it (a tied embedding and output projection).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .external import DataFile, external_tensor
+from .lazy import Lazy
+from .quant import quantize_int4
+
+MS = "com.microsoft"
+OPSET = 21
+_NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
+               np.dtype(np.uint8): TensorProto.UINT8}
+INLINE_BYTES = 1024  # smaller initializers stay in the graph proto (as onnx's size_threshold did)
+
+
+def int4_accuracy_level(dtype: str, experts: bool = False) -> int:
+    """The default MatMulNBits accuracy level (4: the CPU kernel quantizes activations to int8 per block; 1: float32
+    math), chosen by measurement (BENCHMARKS.md, "int4 on CPU"): 4 for float32 exports, the CPU path (2-4x faster,
+    and its k-row results equal its one-row results bit for bit at block sizes 16 and 32, which greedy speculation
+    needs); 1 for float16 exports, which run on GPU providers whose level-4 paths are not verified here; 1 for a
+    graph with mixture-of-experts nodes (`experts`: MoE / QMoE), where an expert's rows round differently in a k-row
+    call than in a one-row call (each expert sees another number of rows) and int8 activations downstream amplify
+    that (tiny test models, a 9-token forward against nine one-token forwards: logits up to 4e-2 apart at level 4
+    for Granite-4.0-H and Qwen3.5-MoE, under 6e-5 at level 1)."""
+    return 4 if dtype == "float32" and not experts else 1
+
+
+class Graph:
+    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32,
+                 data: DataFile | None = None, accuracy_level: int | None = None):
+        """data: the external-data file initializers are streamed to (its name is their location, so it must
+        lie beside the graph file). accuracy_level: MatMulNBits' (None: int4_accuracy_level(dtype))."""
+        self.name = name
+        self.data = data
+        self.accuracy_level = int4_accuracy_level(dtype) if accuracy_level is None else accuracy_level
+        self.np_dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
+        self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
+        self.quant = quant
+        self.block_size = block_size
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._scope: list[str] = []
+        self._used: set[str] = set()
+
+    # -- naming -------------------------------------------------------------------------------------------------
+    @contextmanager
+    def scope(self, name: str):
+        self._scope.append(name)
+        try:
+            yield
+        finally:
+            self._scope.pop()
+
+    def _unique(self, base: str) -> str:
+        name, i = base, 1
+        while name in self._used:
+            name, i = f"{base}_{i}", i + 1
+        self._used.add(name)
+        return name
+
+    def _path(self, leaf: str) -> str:
+        return "/" + "/".join(self._scope + [leaf])
+
+    # -- graph edges ----------------------------------------------------------------------------------------------
+    def input(self, name: str, elem: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem, shape))
+        self._used.add(name)
+        return name
+
+    def input_with_default(self, name: str, value: np.ndarray) -> str:
+        """A graph input that is also an initializer of the same name: callers may feed it, else the default holds
+        (ONNX IR >= 4; onnxruntime lists it under overridable initializers, not required inputs)."""
+        arr = np.asarray(value)
+        self.inputs.append(helper.make_tensor_value_info(name, _NP_TO_ONNX[arr.dtype], list(arr.shape)))
+        self._used.add(name)
+        self.initializers.append(numpy_helper.from_array(arr, name))
+        return name
+
+    def output(self, value: str, name: str, elem: int, shape: list) -> str:
+        """Expose `value` as graph output `name` (an Identity renames it when the names differ)."""
+        if value != name:
+            self.nodes.append(helper.make_node("Identity", [value], [name], name=self._unique(f"/{name}/Identity")))
+        self.outputs.append(helper.make_tensor_value_info(name, elem, shape))
+        return name
+
+    # -- nodes ----------------------------------------------------------------------------------------------------
+    def op(self, op_type: str, inputs: list[str], leaf: str | None = None, n_out: int = 1,
+           domain: str | None = None, outputs: list[str] | None = None, **attrs):
+        node_name = self._unique(self._path(leaf or op_type))
+        outs = outputs or [f"{node_name}/output_{i}" for i in range(n_out)]
+        for o in outs:
+            self._used.add(o)
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=node_name, domain=domain, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def const(self, leaf: str, value, keep_dtype: bool = False) -> str:
+        """An initializer from a NumPy array or a Lazy tensor (written block by block); float values take the
+        export dtype unless keep_dtype. Returns its name."""
+        if not isinstance(value, Lazy):
+            value = np.asarray(value)
+        dtype = np.dtype(value.dtype)
+        if dtype.kind == "f" and not keep_dtype:
+            dtype = self.np_dtype
+        name = self._unique(self._path(leaf))
+        nbytes = int(np.prod(value.shape, dtype=np.int64)) * dtype.itemsize
+        if self.data is None or nbytes < INLINE_BYTES:
+            arr = np.ascontiguousarray(np.asarray(value), dtype=dtype)
+            self.initializers.append(numpy_helper.from_array(arr, name))
+        else:
+            offset, length = self.data.append(value, dtype)
+            self.initializers.append(external_tensor(name, _NP_TO_ONNX[dtype], value.shape, self.data.path.name,
+                                                     offset, length))
+        return name
+
+    def ints(self, leaf: str, values) -> str:
+        return self.const(leaf, np.asarray(values, dtype=np.int64))
+
+    def scalar(self, leaf: str, value: float) -> str:
+        return self.const(leaf, np.asarray(value, dtype=np.float32))
+
+    # -- building blocks used by every architecture ------------------------------------------------------------
+    def linear(self, x: str, weight: np.ndarray, leaf: str, bias: np.ndarray | None = None) -> str:
+        """x @ weight.T (+ bias); weight is (out_features, in_features)."""
+        n, k = weight.shape
+        with self.scope(leaf):
+            if self.quantizes(k):
+                packed, scales, zeros = quantize_int4(weight, self.block_size)
+                y = self.matmul_nbits(x, self.const("weight_q4", packed), self.const("scales", scales),
+                                      self.const("zero_points", zeros), n, k)
+            else:
+                y = self.op("MatMul", [x, self.const("weight", weight.T)], "MatMul")
+            if bias is not None:
+                y = self.op("Add", [y, self.const("bias", bias)], "Add")
+        return y
+
+    def quantizes(self, in_features: int) -> bool:
+        """Whether int4 quantization applies to a weight with this many input features (whole blocks only)."""
+        return self.quant == "int4" and in_features % self.block_size == 0 and in_features >= self.block_size
+
+    def matmul_nbits(self, x: str, packed: str, scales: str, zeros: str, n: int, k: int) -> str:
+        """x @ W.T for an int4 W (N, K) stored as MatMulNBits initializers (src/snapspec/export/quant.py layout)."""
+        return self.op("MatMulNBits", [x, packed, scales, zeros], "MatMulNBits", domain=MS, K=k, N=n, bits=4,
+                       block_size=self.block_size, accuracy_level=self.accuracy_level)
+
+    def set_accuracy_level(self, level: int) -> None:
+        """Make `level` the accuracy level of every MatMulNBits node, those already made included (the exporter
+        knows whether a graph has experts only once it is built)."""
+        self.accuracy_level = level
+        for node in self.nodes:
+            if node.op_type == "MatMulNBits":
+                for attr in node.attribute:
+                    if attr.name == "accuracy_level":
+                        attr.i = level
+
+    def has_op(self, *op_types: str) -> bool:
+        return any(n.op_type in op_types for n in self.nodes)
+
+    def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str, keep_dtype: bool = False) -> str:
+        """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w). keep_dtype: gamma
+        stays float32 (for an x that is float32 in a float16 export)."""
+        return self.op("SimplifiedLayerNormalization", [x, self.const(f"{leaf}/weight", gamma, keep_dtype=keep_dtype)],
+                       leaf, axis=-1, epsilon=eps, stash_type=1)
+
+    def skip_rms_norm(self, x: str, skip: str, gamma: np.ndarray, eps: float, leaf: str) -> tuple[str, str]:
+        """(rms_norm(x + skip), x + skip) in one fused op."""
+        out, _, _, total = self.op("SkipSimplifiedLayerNormalization", [x, skip, self.const(f"{leaf}/weight", gamma)],
+                                   leaf, n_out=4, domain=MS, epsilon=eps)
+        return out, total
+
+    def silu(self, x: str, leaf: str = "silu") -> str:
+        return self.op("Mul", [x, self.op("Sigmoid", [x], f"{leaf}/Sigmoid")], f"{leaf}/Mul")
+
+    def reshape(self, x: str, shape, leaf: str = "Reshape") -> str:
+        return self.op("Reshape", [x, self.ints(f"{leaf}/shape", shape)], leaf)
+
+    def split(self, x: str, sizes, axis: int, leaf: str = "Split") -> list[str]:
+        return self.op("Split", [x, self.ints(f"{leaf}/sizes", sizes)], leaf, n_out=len(sizes), axis=axis)
+
+    def concat_tree(self, values: list[str], output: str, axis: int, fan: int = 8) -> str:
+        """Concat as a tree of at most `fan` inputs per node (WebGPU allows 16 storage buffers per shader)."""
+        if len(values) <= fan:
+            return self.op("Concat", values, "Concat", outputs=[output], axis=axis)
+        step = -(-len(values) // fan)
+        parts = [self.concat_tree(values[i:i + step], self._unique(f"{output}/part_{i // step}"), axis, fan)
+                 for i in range(0, len(values), step)]
+        return self.op("Concat", parts, "Concat", outputs=[output], axis=axis)
+
+    def split_tree(self, x: str, sizes: list[int], outputs: list[str], axis: int, fan: int = 8) -> list[str]:
+        """Split as a tree of at most `fan` outputs per node, writing the named outputs."""
+        if len(sizes) <= fan:
+            self.op("Split", [x, self.ints("Split/sizes", sizes)], "Split", outputs=outputs, axis=axis)
+            return outputs
+        step = -(-len(sizes) // fan)
+        groups = [(sizes[i:i + step], outputs[i:i + step]) for i in range(0, len(sizes), step)]
+        parts = [self._unique(f"{x}/part_{n}") for n in range(len(groups))]
+        self.op("Split", [x, self.ints("Split/sizes", [sum(g[0]) for g in groups])], "Split", outputs=parts, axis=axis)
+        for part, (sz, names) in zip(parts, groups):
+            self.split_tree(part, sz, names, axis, fan)
+        return outputs
+
+    def to_model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                                  producer_name="snapspec")
+        model.ir_version = 10
+        return model

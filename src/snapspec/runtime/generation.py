@@ -1,0 +1,338 @@
+"""Plain and speculative generation over contexts: prefill (chunked, resumed), the loop, stops, streaming.
+
+A Generator runs once. Given contexts that already hold tokens (a previous turn), it keeps the longest common prefix
+of those tokens and its prompt that the contexts can return to and prefills only the rest. Contexts are sized to
+what the generation needs (prompt + max new tokens + the rollback window) unless told otherwise. The speculative
+round itself is speculative.py; what drafts is a Drafter (drafters.py). Stop strings are checked on text decoded
+incrementally (each token once), not by decoding the whole sequence every round.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import numpy as np
+from tokenizers.decoders import DecodeStream
+
+from snapspec import SnapspecError
+
+from . import genai_folder
+from .adaptive import Costs, DraftLengthChooser
+from .context import PREFILL_CHUNK, Context, Rows, default_mode
+from .drafters import Drafter, ModelDrafter
+from .model import Model
+from .ngram import NgramDrafter
+from .sampling import SamplingParams, check_finite, pick
+from .speculative import speculative_round
+from .stats import Stats
+
+log = logging.getLogger("snapspec")
+
+
+def check_pair(target: Model, drafter: Model) -> None:
+    if target.vocab_size != drafter.vocab_size or target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
+        raise SnapspecError(f"drafter and target have different vocabularies ({drafter.vocab_size} vs "
+                            f"{target.vocab_size} tokens, or different tokenizers); speculation needs one vocabulary")
+
+
+class Generator:
+    """Iterate (once) to get the new token ids of each step or round; read tokens, text, stats, stop_reason after.
+
+    drafter: a Model (drafted by a ModelDrafter over its own context), "ngram" (prompt lookup: an NgramDrafter) or
+    any Drafter. context: the context length to
+    allocate (default: prompt + max_new_tokens + window, within the exports' max_context). target_ctx / drafter_ctx:
+    contexts to reuse; what they already hold is resumed. costs: the cost model for draft_max="auto" (default:
+    measured on the live contexts at the start; read it back from `costs` to reuse it in the next Generator).
+    """
+
+    def __init__(self, target: Model, prompt_ids, *, drafter: Model | Drafter | str | None = None,
+                 max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), draft_max: int | str = 4,
+                 rollback: str = "auto", stop_strings=(), stop_at_eos: bool = True, context: int | None = None,
+                 window: int | None = None, target_ctx: Context | None = None, drafter_ctx: Context | None = None,
+                 poison: bool = False, costs: Costs | None = None, prefill_chunk: int | None = None):
+        self.target = target
+        self.prompt = [int(t) for t in prompt_ids]
+        if not self.prompt:
+            raise SnapspecError("empty prompt: give at least one token of text")
+        if max_new_tokens < 1:
+            raise SnapspecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
+        if rollback not in ("auto", "checkpoint"):
+            raise SnapspecError(f"rollback must be auto or checkpoint, got {rollback!r}")
+        if prefill_chunk is not None and int(prefill_chunk) < 1:
+            raise SnapspecError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
+        if drafter is not None and draft_max != "auto" and int(draft_max) < 1:
+            raise SnapspecError(f"draft length must be >= 1 (got {draft_max}); omit --drafter for plain decoding")
+        if isinstance(drafter, str):
+            if drafter != "ngram":
+                raise SnapspecError(f"drafter must be a loaded Model, a Drafter or \"ngram\", got {drafter!r}")
+            drafter = NgramDrafter(target.vocab_size)  # prompt lookup, no drafter model (ngram.py)
+        self.max_new = max_new_tokens
+        self.sampling = sampling
+        self.rng = np.random.default_rng(sampling.seed)
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.eos = set(target.eos_ids) if stop_at_eos else set()
+        self.window = int(window or target.manifest.rollback["window"])
+        self.prefill_chunk = int(prefill_chunk or PREFILL_CHUNK)
+        self.stats = Stats(prompt_tokens=len(self.prompt))
+        self.tokens: list[int] = []
+        self.seq: list[int] = list(self.prompt)  # prompt + tokens
+        self.stop_reason: str | None = None
+        self._warned: set[str] = set()
+        self._started = False
+        self._calibrated = False  # the cost model was measured (or there was no room to)
+        self._text = _TextStream(target.tokenizer)
+        # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
+        # calibration times forwards of up to W + 1 tokens after the prompt).
+        ctx_len = context or min(target.manifest.max_context, len(self.prompt) + max_new_tokens + self.window)
+        if isinstance(drafter, Model):
+            check_pair(target, drafter)
+            ctx_len = min(ctx_len, drafter.manifest.max_context)
+        self.tctx = target_ctx or Context(target, ctx_len, mode=default_mode(target), window=self.window,
+                                          poison=poison)
+        self.dctx: Context | None = None
+        self.drafter: Drafter | None = None
+        if isinstance(drafter, Model):
+            self.dctx = drafter_ctx or Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
+                                               window=self.window, poison=poison)
+            self.drafter = ModelDrafter(self.dctx, self.prefill_chunk)
+        elif drafter is not None:
+            if drafter_ctx is not None:
+                raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
+            self.drafter = drafter
+            self.dctx = drafter.ctx
+        if self.drafter is not None and self.tctx.recurrent:
+            self.window = min(self.window, self.tctx.depth)  # the deepest verify the target can undo (window: W-1)
+        self.ctx_len = min(c.max_len for c in (self.tctx, self.dctx) if c is not None)
+        if len(self.prompt) >= self.ctx_len:
+            raise SnapspecError(f"prompt of {len(self.prompt)} tokens does not fit the context of {self.ctx_len} "
+                                "(at least one new token must fit)")
+        self.draft_max = draft_max
+        self.rollback = rollback
+        self.costs = costs
+        self.chooser = None
+        if draft_max == "auto":
+            self.chooser = (self.drafter.chooser(self.window, costs) if self.drafter is not None
+                            else DraftLengthChooser(self.window, costs))
+
+    @property
+    def modes_used(self) -> set[str]:
+        return set(self.stats.rollbacks)
+
+    @property
+    def text(self) -> str:
+        """The text of the new tokens so far (decoded incrementally; final_text cuts it at a stop string)."""
+        return self._text.read(self.tokens)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    def _emit(self, new: list[int]) -> list[int]:
+        """Append tokens, cutting at EOS, the token budget, the context or a stop string; set stop_reason."""
+        out = []
+        for t in new:
+            if t in self.eos:
+                self.stop_reason = "eos"
+                break
+            out.append(t)
+            if len(self.tokens) + len(out) >= self.max_new:
+                self.stop_reason = "length"
+                break
+            if len(self.seq) + len(out) >= self.ctx_len:
+                self.stop_reason = "context"
+                break
+        self.tokens.extend(out)
+        self.seq.extend(out)
+        self.stats.new_tokens = len(self.tokens)
+        if self.stop_strings and self.stop_reason is None and out:
+            # Only text decoded this round can complete a stop string: search from the longest one's reach back.
+            before = self._text.length
+            self._text.read(self.tokens)
+            tail = self._text.tail(self._text.length - before + max(map(len, self.stop_strings)) - 1)
+            if any(s in tail for s in self.stop_strings):
+                self.stop_reason = "stop_string"
+        return out
+
+    # -- the loop ---------------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[list[int]]:
+        if self._started:
+            raise SnapspecError("a Generator runs once; make a new one (given this one's contexts, it resumes from "
+                                "the tokens they hold)")
+        self._started = True
+        st = self.stats
+        with st.span("prefill"):
+            reused = self.tctx.resume(self.prompt)
+            rows = self.tctx.prefill(self.prompt[reused:], self.prefill_chunk, logits=not self.sampling.greedy)
+            st.target_forwards += rows.forwards
+            st.prompt_reused, st.prompt_prefilled = reused, len(self.prompt) - reused
+            if self.drafter is not None:
+                self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st)
+            first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
+        out = self._emit([first])
+        if out:
+            yield out
+        while self.stop_reason is None:
+            self._calibrate()
+            with st.span("decode"):
+                new = self._round() if self.drafter is not None else self._plain_step()
+                out = self._emit(new)
+            if out:
+                yield out
+
+    def run(self) -> list[int]:
+        for _ in self:
+            pass
+        return self.tokens
+
+    def _pick(self, rows: Rows, where: str) -> int:
+        if self.sampling.greedy:
+            return int(rows.ids[-1])
+        check_finite(rows.logits[-1], where)
+        with self.stats.timed("sampling"):
+            return pick(rows.logits[-1], self.sampling, self.rng)[0]
+
+    def _calibrate(self) -> None:
+        """Measure the cost model for adaptive k on the live contexts, once, before the first round that has a
+        draft (a drafter model: the first round; an n-gram lookup: the first lookup that finds something, so a
+        generation whose lookups all miss never pays the multi-token forwards the measurement times). Near the end
+        of the context, where the largest forward it times does not fit, the chooser keeps its default instead."""
+        if self.chooser is None or self.chooser.costs is not None or self._calibrated or self.drafter is None:
+            return
+        if not self.drafter.has_draft(self.seq):
+            return
+        self._calibrated = True
+        with self.stats.timed("calibration"):
+            self.costs = self.chooser.costs = self.drafter.measure_costs(self.tctx, self.window + 1)
+
+    def _plain_step(self) -> list[int]:
+        rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=not self.sampling.greedy)
+        self.stats.target_forwards += 1
+        return [self._pick(rows, "the target")]
+
+    def _draft_length(self) -> int:
+        k = self.chooser.choose() if self.chooser else int(self.draft_max)
+        room = min(self.max_new - len(self.tokens) - 1, self.ctx_len - len(self.seq) - 1)
+        return max(0, min(k, room))
+
+    def _round(self) -> list[int]:
+        k = self.drafter.available(self.seq, self._draft_length())
+        if k == 0:
+            return self._plain_step()
+        new, j = speculative_round(self.tctx, self.drafter, self.seq, k, self.sampling, self.rng, self.stats,
+                                   self._bounded(k))
+        if self.chooser:
+            self.chooser.update(k, j)
+        return new
+
+    def _bounded(self, k: int) -> bool:
+        """Can this round roll back without a checkpoint? Warn once, naming the cause, when it cannot."""
+        if self.rollback == "checkpoint":
+            return False
+        why = self._target_limit(k) or self.drafter.limit(k)
+        if why is not None:
+            key, message = why
+            if not (key == "replay" and genai_folder.is_builder(self.target.manifest)):  # its load note says it
+                self._warn_once(key, message)
+            return False
+        return True
+
+    def _target_limit(self, k: int) -> tuple[str, str] | None:
+        tctx = self.tctx
+        if tctx.recurrent is None:
+            return None
+        if k > self.window:
+            return ("window", f"draft length {k} exceeds the rollback window {self.window}: such rounds take the "
+                              "checkpoint path (re-export with a larger --rollback-window)")
+        if tctx.mode not in ("replay", "window"):
+            return ("replay", f"{self.target.folder} has no replay graph: every round takes the checkpoint path "
+                              "(re-export it with this snapspec to enable bounded rollback)")
+        return None
+
+
+class _TextStream:
+    """The decoded text of a growing token list, each token decoded once (tokenizers' DecodeStream, which holds
+    back an incomplete UTF-8 sequence until it completes)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=False)
+        self.pieces: list[str] = []
+        self.length = 0  # characters in pieces
+        self.decoded = 0  # tokens fed
+
+    def read(self, tokens: list[int]) -> str:
+        """Feed the tokens not fed yet; the whole text so far."""
+        self.sync(tokens)
+        return "".join(self.pieces)
+
+    def sync(self, tokens: list[int]) -> None:
+        for t in tokens[self.decoded:]:
+            piece = self.stream.step(self.tokenizer, t)
+            if piece:
+                self.pieces.append(piece)
+                self.length += len(piece)
+        self.decoded = len(tokens)
+
+    def tail(self, n: int) -> str:
+        """The last n characters (or all)."""
+        out, have = [], 0
+        for piece in reversed(self.pieces):
+            if have >= n:
+                break
+            out.append(piece)
+            have += len(piece)
+        return "".join(reversed(out))[-n:] if n > 0 else ""
+
+
+def generate(target: Model, prompt: str | list[int] | list[dict], **kwargs) -> Generator:
+    """Run a generation to the end and return the Generator (tokens, stats, stop_reason, modes_used). prompt: text,
+    token ids, or messages ({role, content}), which the model's chat template renders (src/snapspec/runtime/chat.py)."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+        from .chat import chat
+        return chat(target, prompt, **kwargs)
+    ids = target.encode(prompt) if isinstance(prompt, str) else prompt
+    gen = Generator(target, ids, **kwargs)
+    gen.run()
+    return gen
+
+
+def stream_text(gen: Generator) -> Iterator[str]:
+    """Text pieces as they become final. Holds back text that could still become a stop string, and cuts there.
+    Reads the generator's incremental text (each token decoded once); one full decode at the end."""
+    hold = max((len(s) for s in gen.stop_strings), default=1) - 1
+    text, seen, sent = gen._text, 0, 0
+    pending = ""  # decoded but not yet sent
+    for _ in gen:
+        text.sync(gen.tokens)
+        pending += "".join(text.pieces[seen:])
+        seen = len(text.pieces)
+        cut = _stop_cut(pending, gen.stop_strings)
+        if cut is not None:
+            pending = pending[:cut]
+        elif gen.stop_reason is None:
+            ready = max(0, len(pending) - hold)
+            if ready:
+                yield pending[:ready]
+                sent += ready
+                pending = pending[ready:]
+            continue
+        if pending:
+            yield pending
+            sent += len(pending)
+        pending = ""
+    final = final_text(gen)  # a trailing incomplete UTF-8 sequence decodes to U+FFFD here, as in the full text
+    if len(final) > sent:
+        yield final[sent:]
+
+
+def final_text(gen: Generator) -> str:
+    text = gen.target.decode(gen.tokens)
+    cut = _stop_cut(text, gen.stop_strings)
+    return text if cut is None else text[:cut]
+
+
+def _stop_cut(text: str, stops) -> int | None:
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None
