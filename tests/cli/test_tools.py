@@ -143,7 +143,7 @@ def test_demo_runs_offline(tmp_path, monkeypatch, capsys):
     assert main(["demo", "--max-new-tokens", "24"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "speculative text equals plain greedy text" in out
-    assert list(tmp_path.glob("src/snapspec/demo-target-*/snapspec.json"))
+    assert list(tmp_path.glob("snapspec/demo-target-*/snapspec.json"))
     assert main(["demo", "--max-new-tokens", "8"]) == 0  # second run reuses the export
     assert "exporting" not in capsys.readouterr().out
 

@@ -1,4 +1,4 @@
-"""`snapspec chat`: a multi-turn conversation in the terminal over one ChatSession (src/snapspec/runtime/chat.py), whose
+"""`snapspec chat`: a multi-turn conversation in the terminal over one ChatSession (runtime/chat.py), whose
 contexts live across turns, so each turn prefills only its new tokens.
 
 Lines starting with / are commands (/reset, /stats, /help, /exit). Ctrl-C during a reply stops that reply at the

@@ -50,7 +50,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     embedding_dtype: int4 | float16 | float32, how the token embedding table is stored. Default: under float32 +
            int4 (the CPU path), int4 read by GatherBlockQuantized when the hidden size is a multiple of the block
            size (a tied output projection then reads the same bytes), else float16; under float16 + int4 (the GPU
-           path), float16, because onnxruntime-gpu's GatherBlockQuantized gives wrong results (src/snapspec/runtime/model.py);
+           path), float16, because onnxruntime-gpu's GatherBlockQuantized gives wrong results (runtime/model.py);
            without int4, the export dtype. float32 with int4 gives a graph with no float16 tensor, which WebGPU
            adapters without shader-f16 (SwiftShader, some older GPUs) need in the browser.
     int4_accuracy: MatMulNBits accuracy level, 1 (float32 math) or 4 (int8 activations); default
@@ -61,7 +61,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
     log: called with each line of the summary (None: silent, and no progress bar).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
-    state_window (CUDA only), sharing the weights file; the runtime picks it for a target on CUDA (src/snapspec/export/window.py).
+    state_window (CUDA only), sharing the weights file; the runtime picks it for a target on CUDA (export/window.py).
     """
     start = time.perf_counter()
     show_progress = log is not None

@@ -2,10 +2,10 @@
 
 Node and tensor names follow module paths (`/model/layers.3/linear_attn/conv`), so two exports diff like code.
 Weights arrive in Hugging Face layout (out_features, in_features) as float32 NumPy arrays or Lazy tensors
-(src/snapspec/export/lazy.py) and are stored in the export dtype, or as MatMulNBits blobs when int4 quantization is on.
+(export/lazy.py) and are stored in the export dtype, or as MatMulNBits blobs when int4 quantization is on.
 
 Given a DataFile, an initializer is written to it when it is made (`const`) and the graph keeps only a reference
-(src/snapspec/export/external.py), so building a graph holds one tensor block at a time, whatever the model's size. Without one
+(export/external.py), so building a graph holds one tensor block at a time, whatever the model's size. Without one
 (tests that build a graph in memory) initializers are kept in the protos. Initializers under 1 KiB stay inline
 either way. An initializer is a name: any number of nodes may read it (a tied embedding and output projection).
 """
@@ -157,7 +157,7 @@ class Graph:
         return self.quant == "int4" and in_features % self.block_size == 0 and in_features >= self.block_size
 
     def matmul_nbits(self, x: str, packed: str, scales: str, zeros: str, n: int, k: int) -> str:
-        """x @ W.T for an int4 W (N, K) stored as MatMulNBits initializers (src/snapspec/export/quant.py layout)."""
+        """x @ W.T for an int4 W (N, K) stored as MatMulNBits initializers (export/quant.py layout)."""
         return self.op("MatMulNBits", [x, packed, scales, zeros], "MatMulNBits", domain=MS, K=k, N=n, bits=4,
                        block_size=self.block_size, accuracy_level=self.accuracy_level)
 

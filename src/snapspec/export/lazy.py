@@ -1,7 +1,7 @@
 """Tensors computed on demand, one block of their first axis at a time.
 
 The exporter never holds a whole model. Checkpoint tensors reach the graph builder as `Lazy` tensors; the builder
-converts each block (cast, int4) and appends it to the external-data file (src/snapspec/export/external.py), so a tensor is
+converts each block (cast, int4) and appends it to the external-data file (export/external.py), so a tensor is
 never whole in memory unless some code asks for it whole. Two kinds of use, both supported:
 
 - Per-layer code does NumPy on what it reads (`1.0 + w`, `np.concatenate`, `.reshape(heads, 2, ...)`): a Lazy

@@ -1,10 +1,10 @@
 """The drafter's variant of a saved forward graph (`model_ring.onnx`): the same graph without the rollback data.
 
-A drafter rolls its recurrent state back by picking a ring slot (src/snapspec/runtime/state/ring.py), never by replay, so the
+A drafter rolls its recurrent state back by picking a ring slot (runtime/state/ring.py), never by replay, so the
 slices of every recurrent layer's input projection that the forward packs into `rollback_data` for the replay graph
 are work no drafter reads: on a GPU, where a small model's step costs its kernel launches, they are 4 of pair-a's
 drafter's ~110 kernels per step and ~20 of a Qwen3.5-0.8B's ~570. The runtime loads this graph for a model whose
-role is drafter (src/snapspec/runtime/model.py). Its initializers point into the forward graph's data file: weights stored once.
+role is drafter (runtime/model.py). Its initializers point into the forward graph's data file: weights stored once.
 """
 
 from __future__ import annotations

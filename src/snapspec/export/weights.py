@@ -3,7 +3,7 @@ build every tensor of the checkpoint must have been read or explicitly ignored, 
 the export instead of being silently dropped. What was ignored on purpose (a vision tower, MTP weights) is counted
 per name prefix for the export's summary and manifest.
 
-Tensors are handed out as Lazy tensors (src/snapspec/export/lazy.py): nothing is read until the graph writes the tensor, or
+Tensors are handed out as Lazy tensors (export/lazy.py): nothing is read until the graph writes the tensor, or
 until NumPy code asks for its values.
 """
 

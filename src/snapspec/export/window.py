@@ -3,7 +3,7 @@
 LinearAttention and CausalConvWithState take a `state_window` attribute W (1..8, CUDA only in onnxruntime 1.31/1.32):
 their state inputs and outputs gain a leading axis of W states, slot j holding the state after token T - W + j of
 the call, and only slot W - 1 of the input is read. Rolling back then means binding the next call's input at the
-chosen state (src/snapspec/runtime/context.py): no replay call, no copy. The variant is the forward graph with that attribute,
+chosen state (runtime/context.py): no replay call, no copy. The variant is the forward graph with that attribute,
 the leading axis on every conv and recurrent state input and output, and no rollback data (its nodes are pruned).
 Its initializers point into the forward graph's data file, so the weights are stored once.
 """

@@ -11,7 +11,7 @@ On a model loaded with `cuda_graph=N`, forwards of up to N tokens take the fixed
 (captured once per token count, kept rows and state binding, then replayed); the others run as usual with
 gpu_graph_id -1, and their device outputs (rollback data) go to buffers this context owns: an output onnxruntime
 allocated from the session's arena could sit where a captured graph keeps its intermediates, and a replay would
-overwrite it. Fixed-address forwards are queued on the device's stream (src/snapspec/runtime/stream.py) and waited for only when
+overwrite it. Fixed-address forwards are queued on the device's stream (runtime/stream.py) and waited for only when
 their ids are read. `draft(tokens, k)` chains k greedy forwards on the device, each fed the argmax of the one before,
 and returns the k ids unread (DeviceIds); a verify takes them as `forward(..., tail=ids)` without a trip through the
 host. The consumed draft tokens join `tokens` when they are read (every method that needs them reads them first).
@@ -91,7 +91,7 @@ class Context:
         rec_fill = np.nan if poison else 0.0
         kv_specs = [s for s in m.state if s["role"].startswith("kv")]
         rec_specs = [s for s in m.state if s["role"] in _RECURRENT]
-        # One row more for a graph whose attention writes a spare row past the sequence (src/snapspec/export/blocks.py
+        # One row more for a graph whose attention writes a spare row past the sequence (export/blocks.py
         # _spare_row): with it, a forward that fills the context still computes its rows as one-token steps would.
         kv_rows = self.max_len + int(bool(spare_row and m.data["graphs"]["forward"].get("spare_kv_row")))
         self.kv = KVCache(kv_specs, kv_rows, self.device, kv_fill) if kv_specs else None

@@ -4,7 +4,7 @@ onnxruntime's Python API copies device to device only through the data transfer 
 registers (`onnxruntime.copy_tensors`: the WebGPU plugin); the built-in CUDA EP of onnxruntime-gpu 1.31 registers
 none, so a CUDA checkpoint used to travel device -> host -> device (0.30-0.82x of plain decoding on pair-a). For CUDA
 values this module calls the CUDA runtime that onnxruntime itself loaded: `cudaMemcpyAsync` device to device on the
-stream the sessions run on (src/snapspec/runtime/stream.py), after whatever forwards are queued there, then a wait on that stream,
+stream the sessions run on (runtime/stream.py), after whatever forwards are queued there, then a wait on that stream,
 so the copy is complete before the next session run (sessions on a stream of their own synchronize it at the end of
 every run).
 

@@ -288,7 +288,7 @@ class _TextStream:
 
 def generate(target: Model, prompt: str | list[int] | list[dict], **kwargs) -> Generator:
     """Run a generation to the end and return the Generator (tokens, stats, stop_reason, modes_used). prompt: text,
-    token ids, or messages ({role, content}), which the model's chat template renders (src/snapspec/runtime/chat.py)."""
+    token ids, or messages ({role, content}), which the model's chat template renders (runtime/chat.py)."""
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
         from .chat import chat
         return chat(target, prompt, **kwargs)

@@ -34,7 +34,7 @@ class Model:
     requested_ep: str = "cpu"
     state_window: int | None = None  # W when the session runs the state-window graph (conv/recurrent state [W, ...])
     notes: list[str] = field(default_factory=list)
-    graph_tokens: int = 0  # forwards of up to this many tokens replay CUDA graphs (0: none; src/snapspec/runtime/cuda_graph.py)
+    graph_tokens: int = 0  # forwards of up to this many tokens replay CUDA graphs (0: none; runtime/cuda_graph.py)
     graphs: GraphSession | None = None
 
     @property
@@ -83,7 +83,7 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     recurrent: which forward graph carries the recurrent state. auto: the state-window graph for a target on CUDA
     when the export has one (rollback picks a state; measured faster than replay there, BENCHMARKS.md), else the
     forward graph with replay (target), or for a drafter, which rolls back by ring slots, the forward graph without
-    the replay's rollback data when the export has it (src/snapspec/export/ring.py). replay / window force one.
+    the replay's rollback data when the export has it (export/ring.py). replay / window force one.
 
     spin: let the forward session's threads spin between runs, which suits back-to-back target steps. Load a
     drafter with spin=False: every session owns a thread pool, and an idle pool that spins steals the cores the

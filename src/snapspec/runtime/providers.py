@@ -66,8 +66,8 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool, cuda_grap
               shared_stream: bool = False) -> tuple[str, list[str] | None]:
     """Put `opts` on `ep`. Returns (ep actually used, providers list for InferenceSession or None when the
     device was added to the options). A missing provider is an error unless fallback is allowed. cuda_graph: the
-    CUDA session captures and replays CUDA graphs (src/snapspec/runtime/cuda_graph.py); shared_stream: it runs on snapspec's CUDA
-    stream (src/snapspec/runtime/stream.py), so its work queues behind other sessions' without waits. CUDA only."""
+    CUDA session captures and replays CUDA graphs (runtime/cuda_graph.py); shared_stream: it runs on snapspec's CUDA
+    stream (runtime/stream.py), so its work queues behind other sessions' without waits. CUDA only."""
     if ep not in PROVIDERS:
         raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
     if ep == "cpu":

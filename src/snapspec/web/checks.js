@@ -56,7 +56,7 @@ async function generate(target, ids, opts) {
 }
 
 // Rolling back to each j in js (0..W) gives the logits of a context that decoded only those tokens (check_rollback of
-// src/snapspec/cli/conformance.py, on the probe logits): replay after one (W+1)-token forward, ring after W one-token steps.
+// cli/conformance.py, on the probe logits): replay after one (W+1)-token forward, ring after W one-token steps.
 async function rollbackCheck(model, role, toks, nPrompt, w, js) {
   const mode = defaultMode(model, role);
   let worst = 0, where = '';

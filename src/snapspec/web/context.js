@@ -1,5 +1,5 @@
 // An exported folder opened in onnxruntime-web, and a sequence's state store with the rollback modes of
-// src/snapspec/runtime/context.py. What differs from the Python runtime, and why:
+// runtime/context.py. What differs from the Python runtime, and why:
 //
 // onnxruntime-web has no IOBinding of one buffer as both an input and an output, so every run writes its outputs
 // into fresh tensors (GPU buffers on WebGPU, kept there; host arrays on wasm). That makes every state immutable once
@@ -13,7 +13,7 @@
 //              replay (target): S = 2; the forward also returns the packed rollback_data, and replay.onnx advances
 //                  the saved start state over the accepted prefix (a [1, j, width] view of the same GPU buffer).
 //   checkpoint keeps a reference to the current slot's tensors (no copy is needed: nothing writes them again);
-//              restore puts them back as the current slot, exactly where src/snapspec/runtime/context.py copies.
+//              restore puts them back as the current slot, exactly where runtime/context.py copies.
 // Tensors that no slot, checkpoint or pending replay refers to any more are disposed at once (GPU memory).
 
 import { ort, Tokenizer } from './vendor.js';

@@ -1,4 +1,4 @@
-// Plain and speculative generation over contexts: src/snapspec/runtime/generation.py's loop, round for round.
+// Plain and speculative generation over contexts: runtime/generation.py's loop, round for round.
 //
 // A speculative round drafts k tokens with the drafter, verifies [t0, d1..dk] in one target forward, accepts a
 // prefix, emits it plus one target token, and rolls both contexts back to the accepted position (replay for the

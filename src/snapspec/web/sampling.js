@@ -1,4 +1,4 @@
-// Turning logits rows into tokens, as src/snapspec/runtime/sampling.py does: greedy, temperature / top-k / top-p sampling
+// Turning logits rows into tokens, as runtime/sampling.py does: greedy, temperature / top-k / top-p sampling
 // from a seeded generator, and the speculative acceptance rules (greedy match; Leviathan et al.'s rejection rule
 // with the residual distribution, which leaves the output distributed exactly as the target's). Float64 throughout,
 // like the NumPy code. The generator is not NumPy's PCG64, so a seed gives other draws than Python's: the rule and

@@ -1,7 +1,7 @@
 """Qwen3.5 MoE (`qwen3_5_moe_text`, and the language model inside `qwen3_5_moe` vision-language checkpoints).
 
-Qwen3.5's token mixers (src/snapspec/export/arch/qwen3_5.py: separate in_proj_qkv / z / b / a projections, gated attention,
-1 + w norms) with a sparse MoE feed-forward in every layer, built as Qwen3-Next's (src/snapspec/export/arch/qwen3_next.py: one
+Qwen3.5's token mixers (export/arch/qwen3_5.py: separate in_proj_qkv / z / b / a projections, gated attention,
+1 + w norms) with a sparse MoE feed-forward in every layer, built as Qwen3-Next's (export/arch/qwen3_next.py: one
 com.microsoft MoE node, a softmax router over all experts, a shared expert scaled by a sigmoid gate). Unusual here:
 the router always renormalises its top-k weights (transformers' Qwen3_5MoeTopKRouter has no norm_topk_prob
 switch), and there are no dense layers. Experts are read one at a time, from the published per-expert tensors

@@ -3,7 +3,7 @@ back into the same buffers, so every bound address stays valid. KV needs no copy
 the slow baseline that bounded rollback beats: the caller re-decodes the accepted tokens after a restore.
 
 A store names the byte ranges that hold its live state (`live`): a whole slot, or one state of a state-window arena
-(1/(2W-1) of the arena). The copies stay on the device (src/snapspec/runtime/device_copy.py)."""
+(1/(2W-1) of the arena). The copies stay on the device (runtime/device_copy.py)."""
 
 from __future__ import annotations
 
