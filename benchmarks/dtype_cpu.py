@@ -1,7 +1,7 @@
 """What the export dtype costs on CPU: load time, resident memory, prefill and greedy decode speed of one checkpoint
 exported as fp32, fp16 and int4 (float32 activations), measured in one run, each folder in a fresh process.
 
-    python benchmarks/dtype_cpu.py CKPT --scratch /tmp/export --json benchmarks/dtype-cpu-qwen35-0.8b.json
+    python benchmarks/dtype_cpu.py CKPT --scratch /tmp/export --json benchmarks/results/export/dtype-cpu-qwen35-0.8b.json
 
 Exports are written under --scratch and deleted after their measurement. Decoding is greedy plain decoding (no
 drafter), 2 threads, a 64-token prompt and 32 new tokens, a 128-token context (KV buffers of that size); folders run in the order fp32, fp16, int4, fp32 (the

@@ -1,7 +1,7 @@
 """Export time and peak memory at real size: `snapspec export` against llama.cpp's converter, in one run.
 
     python benchmarks/export_bench.py CKPT --dtypes fp32,fp16,int4 --reps 2 --scratch /tmp/export \
-        --json benchmarks/export-qwen35-0.8b.json
+        --json benchmarks/results/export/export-qwen35-0.8b.json
 
 Each run is one command under `/usr/bin/time -v` (wall clock, maximum resident set size of the process tree's
 largest process); the two tools alternate (A/B/A/B) so that load on a shared machine falls on both. Outputs are

@@ -4,7 +4,8 @@
 
 A speculative verify runs every weight matrix on k+1 rows. onnxruntime-gpu's MatMulNBits reads int4 weights in a
 GEMV at one row; at two or more it dequantizes the whole matrix to float16 and calls cuBLAS, so C(k+1) of an int4
-target jumps (BENCHMARKS.md: C(5) = 1.58 on the 4B shape). onnxruntime also carries TensorRT-LLM's weight-only
+target jumps (docs/benchmarks/cuda-h200.md: C(5) = 1.58 on the 4B shape). onnxruntime also carries TensorRT-LLM's
+weight-only
 kernels (fpA_intB: a GEMV and a mixed-input GEMM that read the int4 bytes at every row count) for block sizes 64 and
 128, switched on by the session option `ep.cuda.fpa_intb_gemm` or the environment variable ORT_FPA_INTB_GEMM
 (onnxruntime versions differ in which they read; both are set). This times one node, float16 activations, random

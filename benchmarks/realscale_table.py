@@ -1,6 +1,6 @@
-"""The BENCHMARKS.md "H200 real shapes" tables, from the raw outputs of scripts/gpu/h200_block.sh.
+"""The "H200 real shapes" tables of docs/benchmarks/cuda-h200.md, from the raw outputs of scripts/gpu/h200_block.sh.
 
-    python benchmarks/realscale_table.py benchmarks/h200-realscale
+    python benchmarks/realscale_table.py benchmarks/results/cuda-h200/h200-realscale
 
 Reads realscale-*.json (benchmarks/realscale.py), llama-*.json (llama-bench -o json) and their .peakmib.samples
 (nvidia-smi memory samples during the run), and prints markdown: decode and prefill against llama.cpp of the same

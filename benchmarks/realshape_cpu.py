@@ -1,8 +1,8 @@
 """Real shapes on a small CPU: snapspec against llama.cpp on the same random-weight checkpoints, in one run.
 
     python benchmarks/realshape_cpu.py --ckpts /work/ckpts --work /tmp/rs --models qwen35-0.8b \
-        --spec qwen35-4b:qwen35-0.8b --pair-a-bench benchmarks/pair-a-cpu-int4-level4.json \
-        --json benchmarks/realshape-cpu.json
+        --spec qwen35-4b:qwen35-0.8b --pair-a-bench benchmarks/results/cpu/pair-a-cpu-int4-level4.json \
+        --json benchmarks/results/real-shapes-cpu/run.json
 
 For each model and variant (fp32 against llama.cpp's F32 GGUF, int4 against Q4_0): prefill tokens/s at each
 `--prompts` length, decode tokens/s (`--decode` greedy one-token steps from an empty context, as llama-bench's tg),
@@ -49,7 +49,7 @@ def _vm(field: str) -> float:
 
 
 def child(a) -> dict:
-    from snapspec.runtime import Context, default_mode, load
+    from snapspec.runtime import Context, stores_for, load
 
     t0 = time.perf_counter()
     model = load(a.folder, threads=a.threads)
@@ -79,8 +79,8 @@ def child(a) -> dict:
 
         drafter = load(a.drafter, threads=a.drafter_threads, role="drafter", spin=False)
         window = model.manifest.rollback["window"]
-        tctx = Context(model, 128, mode=default_mode(model), window=window)
-        dctx = Context(drafter, 128, mode=default_mode(drafter, "drafter"), window=window)
+        tctx = Context(model, 128, mode=stores_for(model), window=window)
+        dctx = Context(drafter, 128, mode=stores_for(drafter, "drafter"), window=window)
         tctx.prefill(ids[:64], logits=False)
         dctx.prefill(ids[:64], logits=False)
         n_max = min(a.k_max, tctx.depth) + 1

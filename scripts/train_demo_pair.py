@@ -1,4 +1,6 @@
 #!/usr/bin/env python3
+# Over 400 lines on purpose: a standalone script, run once to retrain the shipped demo pair, that reads top to bottom
+# as one recipe (data, tokenizer, two trainings, checks, save).
 """Train the tiny demo drafter/target pair that ships in ``src/snapspec/demo/``.
 
 Standalone script (not imported by the package). It produces two Hugging Face

@@ -165,10 +165,10 @@ def write_tokenizer(folder: Path, style: str, vocab_size: int = VOCAB, chars: bo
 CHAT_VOCAB = 128
 
 
-def make_chat_model(model_type: str, folder: Path, style: str = "chatml") -> Path:
+def make_chat_model(model_type: str, folder: Path, style: str = "chatml", **overrides) -> Path:
     """A tiny random chat checkpoint: the character tokenizer (CHAT_VOCAB tokens), the style's template, and
-    <|im_end|> as an end of turn in generation_config.json."""
-    make_tiny(model_type, folder, vocab_size=CHAT_VOCAB, tokenizer=char_tokenizer(CHAT_VOCAB))
+    <|im_end|> as an end of turn in generation_config.json (overrides: config fields, as make_tiny's)."""
+    make_tiny(model_type, folder, vocab_size=CHAT_VOCAB, tokenizer=char_tokenizer(CHAT_VOCAB), **overrides)
     write_tokenizer(folder, style, CHAT_VOCAB, chars=True)
     im_end = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
     (folder / "generation_config.json").write_text(json.dumps(

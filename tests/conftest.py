@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,14 +15,28 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
+from tiny import load_hf, make_tiny  # noqa: E402  (imports torch only when a checkpoint is built or loaded)
 
-from tiny import load_hf, make_tiny  # noqa: E402
 
-# One torch thread: the oracle's tiny models gain nothing from two, and on a loaded machine (CI's 2 shared cores)
-# two OpenMP threads spin-waiting on each other made transformers' forwards 20-100x slower (measured: 0.4-5.8 s vs
-# 0.02-0.05 s for a 20-token Granite-4.0-H forward).
-torch.set_num_threads(1)
+@pytest.fixture(scope="session", autouse=True)
+def _stamp_cache(tmp_path_factory):
+    """Integrity stamps of read-only folders (../shared/models) go to a tmp folder, not the user's ~/.cache
+    (src/snapspec/stamp.py); subprocesses inherit it. The browser tests still find `snapspec web --install`'s
+    packages in the real cache: SNAPSPEC_WEB_DIR is pinned to it first."""
+    from snapspec.cli.web import default_web_dir
+
+    pinned = "SNAPSPEC_WEB_DIR" not in os.environ
+    if pinned:
+        os.environ["SNAPSPEC_WEB_DIR"] = str(default_web_dir())
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if pinned:
+        os.environ.pop("SNAPSPEC_WEB_DIR", None)
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
 
 
 def _key(name: str, kwargs: dict) -> tuple:

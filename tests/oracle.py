@@ -3,8 +3,19 @@
 Both return states keyed by the manifest's state input names, in the manifest's layouts:
 
     kv          [B, Hkv, ctx, D]     only the written prefix [:, :, :length] is compared
+    kv_latent   [B, 1, ctx, L + R]   MLA: transformers' cache keys (the latent, L) and values (the rope key, R) side
+                                     by side
     conv        [B, K-1, C]          transformers keeps [B, C, K]: its last K-1 columns, transposed
     recurrent   [B, H, Dk, Dv]       Mamba2: [B, H, d_state, head_dim]; transformers keeps [B, H, head_dim, d_state]
+                                     Mamba1: [B, d_inner, d_state, 1]; transformers keeps [B, d_inner, d_state]
+    rglru       [B, W]               an RG-LRU's hidden state (RecurrentGemma keeps it, and its conv state, in the
+                                     recurrent block rather than the cache)
+    swa         [B, Hkv, N, D]       a sliding-window layer's last N = window - 1 keys / values; transformers keeps
+                                     the last min(length, N): compared with the state's last rows
+
+transformers' Mamba1 mixer (Mamba, Falcon-Mamba, Jamba) starts a multi-token forward's scan from a zero state even
+when its cache holds one (mamba_selective_scan: "Initial hidden state is not supported"), so a multi-token
+continuation is fed to it one token at a time, its exact recurrent path; a prefill (empty cache) runs in one call.
 
 The onnxruntime side allocates KV buffers filled with NaN: a row the graph reads without having written it turns
 the logits into NaN at once instead of passing by accident. Conv and recurrent states start at zero, their true
@@ -19,12 +30,13 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
-import torch
 
 from snapspec import manifest as mf
 from snapspec.export.quant import dequantize_int4, quantize_int4
 
-from tiny import MAMBA2_TYPES, load_hf
+from tiny import MAMBA1_TYPES, MAMBA2_TYPES, load_hf, torch_module
+
+torch = torch_module()  # the oracle is transformers: torch with one thread (tests/tiny.py)
 
 
 def assert_close(name: str, actual, expected, rtol: float) -> None:
@@ -66,7 +78,7 @@ class OrtModel:
         replay = self.manifest.graph_path("replay")
         self.replay_session = ort.InferenceSession(str(replay), opts, providers=cpu) if replay else None
         self.entries = {s["name"]: s for s in self.manifest.state}
-        self.recurrent_names = [n for n, s in self.entries.items() if s["role"] in ("conv", "recurrent")]
+        self.recurrent_names = [n for n, s in self.entries.items() if s["role"] in mf.RECURRENT_ROLES]
 
     def _shape(self, entry: dict, batch: int) -> list[int]:
         return [batch if d == "batch" else self.context if d == "context" else int(d) for d in entry["shape"]]
@@ -120,8 +132,25 @@ class HfModel:
     @torch.no_grad()
     def forward(self, ids) -> np.ndarray:
         ids = torch.as_tensor(np.asarray(ids, dtype=np.int64).reshape(1, -1))
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
-        self.cache = out.cache
+        if self.cache is not None and ids.shape[1] > 1 and self.model.config.model_type in MAMBA1_TYPES:
+            return np.concatenate([self.forward(ids[:, t:t + 1].numpy()) for t in range(ids.shape[1])], axis=1)
+        if self.model.config.model_type == "recurrent_gemma" and self.length and ids.shape[1] > 1:
+            # transformers' RecurrentGemma runs any multi-token call as a prefill: its conv starts from zeros, not
+            # from the conv state (modeling_recurrent_gemma.py, RecurrentGemmaRecurrentBlock). Its one-token decode
+            # path reads the state, so a continuation is fed one token at a time.
+            return np.concatenate([self.forward(ids[:, t:t + 1].numpy()) for t in range(ids.shape[1])], axis=1)
+        extra = {}
+        if self.model.config.model_type in ("recurrent_gemma", "bamba"):
+            # RecurrentGemma's RG-LRU resets at position 0; Bamba's positions start at 0 on every call without them
+            extra["position_ids"] = torch.arange(self.length, self.length + ids.shape[1])[None]
+        if self.model.config.model_type == "recurrent_gemma" and self.cache is None:
+            # its forward neither returns the cache it makes nor resets the recurrent blocks' states for one passed in
+            from transformers import DynamicCache
+
+            self.model._setup_cache(self.model.config, 1, "cpu", torch.float32)
+            self.cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, **extra)
+        self.cache = getattr(out, "cache", None) or self.cache
         self.length += ids.shape[1]
         return out.logits.float().numpy()
 
@@ -130,10 +159,17 @@ class HfModel:
         result = {}
         for e in entries:
             layer = self.cache.layers[e["layer"]]
-            if e["role"] == "kv_key":
+            if self.model.config.model_type == "recurrent_gemma" and e["role"] in ("conv", "rglru"):
+                block = self.model.model.layers[e["layer"]].temporal_block  # the recurrent block keeps its states
+                t = block.conv1d_state.transpose(1, 2) if e["role"] == "conv" else block.rg_lru.recurrent_states
+            elif e["role"] == "kv_key":
                 t = layer.keys
             elif e["role"] == "kv_value":
                 t = layer.values
+            elif e["role"] == "kv_latent":
+                t = torch.cat([layer.keys, layer.values], dim=-1)
+            elif e["role"] in ("swa_key", "swa_value"):
+                t = layer.keys if e["role"] == "swa_key" else layer.values
             elif e["role"] == "conv":
                 conv = layer.conv_states[0]  # [B, C, K]
                 t = conv[:, :, 1:].transpose(1, 2)
@@ -141,6 +177,8 @@ class HfModel:
                 t = layer.recurrent_states[0]
                 if self.model.config.model_type in MAMBA2_TYPES:
                     t = t.transpose(-1, -2)
+                elif self.model.config.model_type in MAMBA1_TYPES:  # [B, d_inner, d_state] -> one head per channel
+                    t = t[..., None]
             result[e["name"]] = t.float().numpy()
         return result
 
@@ -150,6 +188,8 @@ def compare_states(actual: dict, expected: dict, entries: dict, length: int, rto
         act = actual[name]
         if entries[name]["role"].startswith("kv"):
             act = act[:, :, :length]
+        elif entries[name]["role"].startswith("swa"):
+            act = act[:, :, act.shape[2] - exp.shape[2]:]
         assert_close(f"{what}{name}", act, exp, rtol)
 
 
@@ -173,16 +213,13 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
 
     That is: every nn.Linear whose in_features is a multiple of the block size (the tied output projection too,
     so the input embedding is untied first), the input embedding under the same condition (quantized by rows, as
-    the output projection), and MoE expert tensors when hidden and expert widths both are and the
-    router renormalises its top-k (the conditions under which Decoder.moe uses QMoE; Granite's router always does).
+    the output projection), and MoE expert tensors when hidden and expert widths both are (the condition under which
+    Decoder.moe uses QMoE, whether or not the router renormalises its top-k).
     Nemotron-H's squared-ReLU experts run as two plain linears over all experts (src/snapspec/export/arch/nemotron_h.py): each
     expert's up projection is quantized when its input width is a multiple of the block size, and the down
     projections side by side, one (d, E * I) matrix, when E * I is."""
     emb = model.get_input_embeddings()
     emb.weight = torch.nn.Parameter(emb.weight.detach().clone())
-    # Qwen3.5 MoE's router always renormalises (its config has no norm_topk_prob).
-    renormalises = lambda: (model.config.model_type == "qwen3_5_moe"  # noqa: E731
-                            or getattr(model.config, "norm_topk_prob", True))
 
     def rt(w: torch.Tensor) -> torch.Tensor:
         a = w.float().numpy()
@@ -190,10 +227,13 @@ def round_trip_int4(model: torch.nn.Module, block_size: int) -> torch.nn.Module:
 
     if emb.weight.shape[1] % block_size == 0:
         emb.weight.copy_(rt(emb.weight))
+    done: set[int] = set()  # a weight that modules share (Zamba2's tied blocks) is rounded once
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.in_features % block_size == 0:
-            module.weight.copy_(rt(module.weight))
-        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and renormalises():
+            if id(module.weight) not in done:
+                done.add(id(module.weight))
+                module.weight.copy_(rt(module.weight))
+        elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter):
             hidden, inter = module.down_proj.shape[1:]
             if hidden % block_size == 0 and inter % block_size == 0:
                 for p in (module.gate_up_proj, module.down_proj):

@@ -4,7 +4,7 @@
 #   scripts/gpu/gpu_check.sh [PAIR_DIR] [OUT_DIR]
 # PAIR_DIR holds target/ and drafter/ (and prompts.jsonl); for CUDA, fp16 exports (`--dtype fp16`, with
 # `--quant int4` to make them small). On CUDA the target runs both ways: on its state-window graph (the default
-# there) and on the forward graph with replay (--recurrent-rollback replay). Needs torch + transformers (for the
+# there) and on the forward graph with replay (--rollback replay). Needs torch + transformers (for the
 # tiny models) and onnxruntime with the provider(s): onnxruntime-gpu for CUDA, onnxruntime + onnxruntime-ep-webgpu
 # (plugin) for WebGPU. Results land in OUT_DIR (default ./gpu-results).
 set -uo pipefail
@@ -21,9 +21,9 @@ for ep in cuda webgpu; do
   for mode in auto replay; do
     [ "$mode" = replay ] && [ "$ep" != cuda ] && continue
     python3 -m snapspec.cli.main conformance --target "$pair/target" --drafter "$pair/drafter" --ep "$ep" \
-      --recurrent-rollback "$mode" --json "$out/conformance-$ep-$mode.json" 2>&1 | tee "$out/conformance-$ep-$mode.txt"
+      --rollback "$mode" --json "$out/conformance-$ep-$mode.json" 2>&1 | tee "$out/conformance-$ep-$mode.txt"
     python3 -m snapspec.cli.main bench --target "$pair/target" --drafter "$pair/drafter" --ep "$ep" \
-      --recurrent-rollback "$mode" --prompts "$pair/prompts.jsonl" --limit 8 --k 1,2,3,4,6 --reps 2 \
+      --rollback "$mode" --prompts "$pair/prompts.jsonl" --limit 8 --k 1,2,3,4,6 --reps 2 \
       --max-new-tokens 128 --rollback both --json "$out/bench-$ep-$mode.json" 2>&1 | tee "$out/bench-$ep-$mode.txt"
   done
 done

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU block of BENCHMARKS.md "H200 real shapes", on one CUDA machine, in the background so that it outlives
+# The whole GPU block of docs/benchmarks/cuda-h200.md "H200 real shapes", on one CUDA machine, in the background
+# so that it outlives
 # the shell that starts it (a lent machine's command has a time limit; the block needs ~15 minutes):
 #   scripts/gpu/h200_block.sh start PAYLOAD     unpack the payload, start the block (setsid), return at once
 #   scripts/gpu/h200_block.sh wait SECONDS      print progress until the block ends or SECONDS pass
@@ -22,7 +23,8 @@
 # Checkpoints and GGUFs live on a tmpfs (the disk is 64 GB; the 9B's files alone are ~70 GB); each size's files are
 # deleted once measured. Stages that would start after $DEADLINE seconds are skipped and say so.
 #
-# The payload's `plan` file picks the block: realscale (the above, the default) or chain (BENCHMARKS.md "Greedy drafts
+# The payload's `plan` file picks the block: realscale (the above, the default) or chain
+# (docs/benchmarks/cuda-h200.md "Greedy drafts
 # chained on the device"): no llama.cpp; ckpt + export of the 0.8B and 4B shapes (fp16, fp16 + int4) beside a GPU
 # track of: a smoke check of chained drafts on pair-a, tests/test_gpu.py, then, once the CPU work is done (a quiet
 # host: these rounds are host-sensitive), benchmarks/draft_chain.py on pair-a (chained vs one-step drafts vs plain,

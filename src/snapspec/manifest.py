@@ -1,24 +1,36 @@
 """The exported folder's manifest (`snapspec.json`): the single description of graphs, state and rollback.
 
 The exporter writes it; the runtime's allocator, the conformance checks and `snapspec info` read it. Loading checks
-the format, the manifest's own checksum, that every listed file exists and matches its sha256, that no listed path
+the format, the manifest's own checksum, that every listed file exists with its listed size, that no listed path
 leaves the folder, and that every external-data file a graph names is a listed file (onnxruntime would otherwise
-read whatever path the graph names; its own check comes later and reads as an onnxruntime failure). The graphs are
-scanned at the protobuf wire level, so the runtime needs no onnx package.
+read whatever path the graph names; its own check comes later and reads as an onnxruntime failure). File contents
+are hashed only where the integrity stamp (stamp.py) cannot vouch for a file: a first load, or a file changed since
+its last check. `load(full=True)` (`snapspec verify`) hashes every file. The graphs are scanned at the protobuf wire
+level, so the runtime needs no onnx package.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from snapspec import SnapspecError
+from snapspec import SnapspecError, stamp
 
 FORMAT = "snapspec-export/1"
 FILENAME = "snapspec.json"
+# The state table's roles whose state the recurrent stores keep (slots, replay, ring, checkpoint copies): conv
+# windows, matrix states, the last window - 1 keys and values of a sliding-window attention layer, RG-LRU states.
+# Attention KV (kv_key, kv_value) is the other kind: one buffer, rolled back by truncation.
+RECURRENT_ROLES = ("conv", "recurrent", "swa_key", "swa_value", "rglru")
 SELF_KEY = "manifest_sha256"
+
+
+class IntegrityError(SnapspecError):
+    """The folder is damaged: a listed file is missing, has the wrong size or the wrong sha256, or the manifest
+    itself was altered. `snapspec info` and `snapspec verify` report it and exit 1."""
 
 
 def sha256_file(path: Path) -> str:
@@ -33,6 +45,8 @@ def sha256_file(path: Path) -> str:
 class Manifest:
     folder: Path
     data: dict
+    hashed: list[str] = field(default_factory=list)  # files whose sha256 this load computed (the rest: stamp)
+    stamp_path: Path | None = None  # where this load recorded its stamp (None: nothing new to record)
 
     @property
     def model(self) -> dict:
@@ -73,7 +87,8 @@ def write(folder: Path, data: dict, digests: dict[str, str] | None = None) -> Ma
     file was written (the exporter hashes its weights file as it appends to it), by file name."""
     files = {}
     digests = digests or {}
-    for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != FILENAME):
+    listed = (p for p in folder.iterdir() if p.is_file() and p.name != FILENAME and not stamp.is_stamp(p.name))
+    for path in sorted(listed):
         digest = digests.get(path.name) or sha256_file(path)
         files[path.name] = {"sha256": digest, "bytes": path.stat().st_size}
     data = {**data, "format": FORMAT, "files": files}
@@ -82,13 +97,23 @@ def write(folder: Path, data: dict, digests: dict[str, str] | None = None) -> Ma
     return Manifest(folder, data)
 
 
+def write_stamp(m: Manifest) -> Path | None:
+    """Stamp every listed file as it is now: for the exporter, whose digests were taken from the bytes it wrote
+    (call it after the last change to the files, permissions included: a chmod moves ctime)."""
+    files = {name: stamp.fingerprint((m.folder / name).stat()) for name in m.data["files"]}
+    return stamp.write(m.folder, m.data[SELF_KEY], files)
+
+
 def _self_digest(data: dict) -> str:
     """sha256 of the manifest without its own checksum, in a canonical JSON form (key order and indent free)."""
     body = {k: v for k, v in data.items() if k != SELF_KEY}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def load(folder: Path | str, verify: bool = True) -> Manifest:
+def load(folder: Path | str, verify: bool = True, full: bool = False) -> Manifest:
+    """Read and check an exported folder's manifest. verify: the manifest's checksum, every file's size, and the
+    sha256 of every file the stamp does not vouch for (module doc); verify=False: structure only (info, placement).
+    full: hash every file whatever the stamp says (`snapspec verify`). Damage raises IntegrityError."""
     folder = Path(folder)
     path = folder / FILENAME
     if not folder.is_dir():
@@ -98,37 +123,42 @@ def load(folder: Path | str, verify: bool = True) -> Manifest:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise SnapspecError(f"corrupt manifest {path}: {exc}") from None
+        raise IntegrityError(f"corrupt manifest {path}: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapspecError(f"{path} has format {data.get('format') if isinstance(data, dict) else None!r}, "
                             f"this snapspec reads {FORMAT!r}")
     for key in ("model", "graphs", "state", "rollback", "rollback_data", "tokens", "files"):
         if key not in data:
             raise SnapspecError(f"manifest {path} lacks the {key!r} section")
-    if verify and data.get(SELF_KEY) != _self_digest(data):
-        raise SnapspecError(f"checksum mismatch for {path}: the manifest was edited after export or was written by "
-                            "an older snapspec (re-export the model)")
+    if (verify or full) and data.get(SELF_KEY) != _self_digest(data):
+        raise IntegrityError(f"checksum mismatch for {path}: the manifest was edited after export or was written by "
+                             "an older snapspec (re-export the model)")
+    m = Manifest(folder, data)
     try:
-        _check_files(folder, path, data, verify)
+        _check_files(folder, path, data, sizes=verify or full)
+        if verify or full:
+            _check_contents(m, full)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:  # a hand-made manifest of the wrong shape
         raise SnapspecError(f"malformed manifest {path}: {type(exc).__name__}: {exc}") from None
     except OSError as exc:
         raise SnapspecError(f"cannot read a file that {path} lists: {exc}") from None
-    return Manifest(folder, data)
+    return m
 
 
-def _check_files(folder: Path, path: Path, data: dict, verify: bool) -> None:
+def _check_files(folder: Path, path: Path, data: dict, sizes: bool) -> None:
+    """Paths, presence, sizes (a truncated file fails here, before a graph is read or anything is hashed), and the
+    external data the graphs name."""
     root = folder.resolve()
     for name, info in data["files"].items():
         file = (folder / name).resolve()
         if root not in file.parents:
             raise SnapspecError(f"manifest {path} lists a file outside its folder: {name}")
         if not file.exists():
-            raise SnapspecError(f"{folder} is missing {name} (listed in its manifest)")
-        if verify:
-            if file.stat().st_size != info["bytes"] or sha256_file(file) != info["sha256"]:
-                raise SnapspecError(f"checksum mismatch for {name} in {folder}: the file changed after export "
-                                    "(re-export, or restore the original file)")
+            raise IntegrityError(f"{folder} is missing {name} (listed in its manifest)")
+        if sizes and file.stat().st_size != info["bytes"]:
+            raise IntegrityError(f"{name} in {folder} has {file.stat().st_size} bytes, its manifest lists "
+                                 f"{info['bytes']}: the file is truncated or was changed after export (re-export, "
+                                 "or restore the original file)")
     for role, entry in data["graphs"].items():
         if entry["file"] not in data["files"]:
             raise SnapspecError(f"manifest {path}: graph {role} file {entry['file']} is not checksummed")
@@ -137,6 +167,29 @@ def _check_files(folder: Path, path: Path, data: dict, verify: bool) -> None:
                 raise SnapspecError(f"{entry['file']} in {folder} reads external data from {location!r}, which is not "
                                     "a checksummed file of the folder (a path outside it, or an unlisted file); "
                                     "refusing to load it")
+
+
+def _check_contents(m: Manifest, full: bool) -> None:
+    """The sha256 of every file the stamp does not vouch for, or of every file when full (sizes were checked
+    already); a new stamp is recorded when anything was hashed."""
+    folder, files = m.folder, m.data["files"]
+    now = {name: os.stat(folder / name) for name in files}
+    stamps = [] if full else stamp.read(folder, m.data[SELF_KEY])
+    good = {}
+    for name, info in files.items():
+        fp = stamp.fingerprint(now[name])
+        if any(s.get(name) == fp for s in stamps):
+            good[name] = fp
+            continue
+        if sha256_file(folder / name) != info["sha256"]:
+            raise IntegrityError(f"checksum mismatch for {name} in {folder}: the file changed after export "
+                                 "(re-export, or restore the original file)")
+        m.hashed.append(name)
+        after = stamp.fingerprint(os.stat(folder / name))
+        if after == fp:  # unchanged while it was hashed: what was hashed is what the fingerprint describes
+            good[name] = fp
+    if m.hashed:
+        m.stamp_path = stamp.write(folder, m.data[SELF_KEY], good)
 
 
 # -- external data of an ONNX graph, read from the protobuf wire format -------------------------------------------

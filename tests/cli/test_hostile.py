@@ -48,9 +48,13 @@ def one_error(rc: int, err: str, *needles: str) -> str:
 
 
 def tree(folder: Path) -> dict[str, tuple[int, str]]:
-    """Every file under folder with its size and hash, to show that nothing was written, removed or changed."""
+    """Every file under folder with its size and hash, to show that nothing was written, removed or changed. The
+    integrity stamp is left out: recording which files a load found intact is the one write a load makes
+    (src/snapspec/stamp.py)."""
     out = {}
     for p in sorted(folder.rglob("*")):
+        if p.name == ".snapspec-stamp.json":
+            continue
         if p.is_file() or p.is_symlink():
             out[str(p.relative_to(folder))] = (p.lstat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()
                                                 if p.exists() else "dangling")
@@ -109,7 +113,7 @@ def test_truncated_graph_files(capsys, tmp_path, target, name):
     folder = copy(target, tmp_path / "t")
     path = folder / name
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    _check_generate_refused(capsys, folder, "checksum mismatch", name)
+    _check_generate_refused(capsys, folder, "truncated", name)  # the size check, before anything is hashed
     # Consistent with its manifest: the graph scan or onnxruntime refuses it, still as one line.
     reseal(folder)
     line = _check_generate_refused(capsys, folder, "model.onnx")
@@ -253,9 +257,10 @@ def test_draft_max_zero(capsys, target, drafter):
     one_error(rc, err, "omit --drafter")
 
 
-def test_draft_beyond_window_warns_and_matches_plain(target, drafter):
-    """k = 12 > W = 8: not an error; one warning naming the window, the checkpoint path, output equal to plain.
-    A subprocess, so the warning is seen on stderr exactly as the user sees it."""
+def test_draft_beyond_window_is_capped_with_one_warning_and_matches_plain(target, drafter):
+    """--draft-max 12 > W = 8: not an error; one warning naming the typed value and the window, each round drafts at
+    most 8 on the bounded path, output equal to plain. With --rollback checkpoint the 12 stands and every round takes
+    the checkpoint path. A subprocess, so the warning is seen on stderr exactly as the user sees it."""
     base = [sys.executable, "-m", "snapspec.cli.main", "generate", "--target", str(target), "--prompt", PROMPT,
             "--max-new-tokens", "48", "--json", "--threads", "1"]
     plain = subprocess.run(base, capture_output=True, text=True, timeout=120, check=False)
@@ -263,16 +268,22 @@ def test_draft_beyond_window_warns_and_matches_plain(target, drafter):
                           timeout=120, check=False)
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     warnings = [line for line in spec.stderr.splitlines() if line.startswith("snapspec: warning:")]
-    assert len(warnings) == 1 and "exceeds the rollback window 8" in warnings[0], spec.stderr
+    assert len(warnings) == 1 and "--draft-max 12" in warnings[0] and "at most 8" in warnings[0], spec.stderr
     assert "Traceback" not in spec.stderr
     result = json.loads(spec.stdout)
     assert result["token_ids"] == json.loads(plain.stdout)["token_ids"]
-    assert "checkpoint" in result["rollback_modes"]
+    assert "checkpoint" not in result["rollback_modes"]
+    slow = subprocess.run(base + ["--drafter", str(drafter), "--draft-max", "12", "--rollback", "checkpoint"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert slow.returncode == 0 and "warning" not in slow.stderr, slow.stderr
+    result = json.loads(slow.stdout)
+    assert result["token_ids"] == json.loads(plain.stdout)["token_ids"] and result["rollback_modes"] == ["checkpoint"]
 
 
 @pytest.mark.parametrize("flags,needle", [
     (["--temperature", "-1"], "temperature"),
     (["--temperature", "nan"], "temperature"),
+    (["--temperature", "1e-45"], "at least 1e-06"),  # 1/t overflows float32: NaN probabilities, a garbage token
     (["--temperature", "1", "--top-p", "0"], "top-p"),
     (["--temperature", "1", "--top-p", "1.5"], "top-p"),
     (["--temperature", "1", "--top-k", "-1"], "--top-k"),
@@ -363,6 +374,25 @@ def test_export_without_tokenizer(capsys, tmp_path, tiny_model):
     (hf / "tokenizer.json").unlink()
     (tmp_path / "dest").mkdir()
     _check_export_refused(capsys, hf, tmp_path / "dest" / "out", "tokenizer.json")
+
+
+def test_export_int4_block_size_not_offered(capsys, tmp_path, tiny_model):
+    rc, out, err = cli(capsys, "export", tiny_model("qwen3_5_text"), "-o", tmp_path / "out", "--quant", "int4",
+                       "--block-size", "48")
+    one_error(rc, err, "--block-size")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_int4_block_32_is_kept_with_one_warning_line(tmp_path, tiny_model):
+    """An int4 choice that is not exact on some CPU (block 32 at level 4: AVX2) is exported as asked, with one
+    warning line on stderr. A subprocess, so the warning is seen exactly as the user sees it."""
+    run = subprocess.run([sys.executable, "-m", "snapspec.cli.main", "export", str(tiny_model("qwen3_5_text")), "-o",
+                          str(tmp_path / "out"), "--quant", "int4", "--block-size", "32"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("snapspec: warning:")]
+    assert len(warnings) == 1 and "block 32" in warnings[0] and "AVX2" in warnings[0], run.stderr
+    assert json.loads((tmp_path / "out" / "snapspec.json").read_text())["export"]["block_size"] == 32
 
 
 def test_export_truncated_weights(capsys, tmp_path, tiny_model):
@@ -520,7 +550,7 @@ def test_moved_folder_loads_and_generates_the_same(tmp_path, target):
 
 
 # -- the state-window graph (CUDA only) -----------------------------------------------------------------------------
-def test_state_window_graph_shares_weights_and_is_refused_off_cuda(capsys, tmp_path, target):
+def test_state_window_graph_shares_weights_and_is_refused_off_cuda(capsys, caplog, tmp_path, target):
     import onnx
     m = manifest.load(target)
     w = m.rollback["state_window"]
@@ -537,8 +567,14 @@ def test_state_window_graph_shares_weights_and_is_refused_off_cuda(capsys, tmp_p
     assert locations == {"model.onnx.data"}  # the weights are stored once
     # Off CUDA the graph is never picked by default, and asking for it is one clear error.
     assert load(target).state_window is None
+    rc, _, err = cli(capsys, *gen_args(target, "--rollback", "window"))
+    one_error(rc, err, "state-window graph runs on CUDA only", "--rollback replay")
+    # the old spelling still works, says it is deprecated, and means the same
+    # (in-process, the warning goes to the log handler set up by the first CLI call, so it is read from caplog)
+    caplog.clear()
     rc, _, err = cli(capsys, *gen_args(target, "--recurrent-rollback", "window"))
-    one_error(rc, err, "state-window graph runs on CUDA only", "--recurrent-rollback replay")
+    assert "--recurrent-rollback is deprecated: use --rollback window" in caplog.text
+    one_error(rc, err, "state-window graph runs on CUDA only")
 
 
 def test_no_state_window_graph_beyond_onnxruntime_limit(capsys, tmp_path, tiny_model):
@@ -547,5 +583,5 @@ def test_no_state_window_graph_beyond_onnxruntime_limit(capsys, tmp_path, tiny_m
     assert rc == 0 and "state_window limit of 8" in err, err
     m = manifest.load(out)
     assert m.graph_path("forward_window") is None and m.rollback["state_window"] is None
-    rc, _, err = cli(capsys, *gen_args(out, "--recurrent-rollback", "window"))
+    rc, _, err = cli(capsys, *gen_args(out, "--rollback", "window"))
     one_error(rc, err, "has no state-window graph")

@@ -13,7 +13,7 @@ import pytest
 from snapspec import manifest
 from snapspec.runtime import load
 from snapspec.runtime.adaptive import Costs, DraftLengthChooser, best_k, expected_emitted
-from snapspec.cli import bench
+from snapspec.bench import figures as bench
 from snapspec.cli.main import main
 
 
@@ -65,7 +65,7 @@ def test_bench_runs_and_reports(tiny_export, tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("def f(x):", "The quick brown")) + "\n")
     out = tmp_path / "b.json"
     code = main(["bench", "--target", str(tiny_export("qwen3_5_text")), "--drafter", str(tiny_export("qwen3")),
-                 "--prompts", str(prompts), "--k", "1,3", "--reps", "2", "--max-new-tokens", "16",
+                 "--prompts", str(prompts), "--sweep", "--k", "1,3", "--reps", "2", "--max-new-tokens", "16",
                  "--threads", "1", "--json", str(out)])
     assert code == 0
     r = json.loads(out.read_text())
@@ -113,19 +113,20 @@ def test_conformance_fails_on_broken_export(tiny_export, tmp_path, capsys):
 def test_conformance_passes_and_flags_edited_files(tiny_export, tmp_path, capsys):
     good = tiny_export("lfm2")
     assert main(["conformance", "--target", str(good), "--drafter", str(tiny_export("qwen3")), "--threads", "1",
-                 "--new-tokens", "12"]) == 0
+                 "--max-new-tokens", "12"]) == 0
     edited = tmp_path / "edited"
     shutil.copytree(good, edited)
     (edited / "tokenizer_config.json").write_text("{}")
     report = tmp_path / "r.json"
     assert main(["conformance", "--target", str(edited), "--json", str(report)]) == 1
     (check,) = json.loads(report.read_text())["checks"]
-    assert not check["passed"] and "checksum mismatch for tokenizer_config.json" in check["detail"]
+    assert not check["passed"] and "tokenizer_config.json" in check["detail"]
+    assert "changed after export" in check["detail"]
 
 
 def test_info(tiny_export, capsys):
     folder = tiny_export("qwen3_5_text")
-    assert main(["info", str(folder), "--ctx", "128", "--json"]) == 0
+    assert main(["info", str(folder), "--context", "128", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     m = load(folder)
     assert info["layer_kinds"] == {"gated_deltanet": 2, "attention": 2}
@@ -176,7 +177,7 @@ def test_tools_on_mamba2_hybrids(tiny_export, tmp_path, capsys):
     them, the contract on a Falcon-H1 target with a Nemotron-H drafter, a bench of a Granite-4.0-H target with a
     Qwen3 drafter; and conformance catching a Mamba2 replay that drops the decay (gated -> linear rule)."""
     nemotron = tiny_export("nemotron_h")
-    assert main(["info", str(nemotron), "--ctx", "128", "--json"]) == 0
+    assert main(["info", str(nemotron), "--context", "128", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["layer_kinds"] == {"mamba2": 2, "mlp": 1, "attention": 1, "moe": 1}
     assert info["state"]["recurrent"]["shape"] == ["batch", 4, 16, 22]  # [batch, heads, d_state, head_dim]
@@ -185,7 +186,7 @@ def test_tools_on_mamba2_hybrids(tiny_export, tmp_path, capsys):
     assert "3 attention+mamba2" in capsys.readouterr().out
 
     assert main(["conformance", "--target", str(tiny_export("falcon_h1")), "--drafter", str(nemotron),
-                 "--threads", "1", "--new-tokens", "12"]) == 0
+                 "--threads", "1", "--max-new-tokens", "12"]) == 0
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def f(x):"}) + "\n")
     out = tmp_path / "b.json"
@@ -198,5 +199,5 @@ def test_tools_on_mamba2_hybrids(tiny_export, tmp_path, capsys):
     shutil.copytree(tiny_export("granitemoehybrid"), broken)
     _break_replay(broken, b"linear")
     capsys.readouterr()
-    assert main(["conformance", "--target", str(broken), "--threads", "1", "--new-tokens", "8"]) == 1
+    assert main(["conformance", "--target", str(broken), "--threads", "1", "--max-new-tokens", "8"]) == 1
     assert "FAIL" in capsys.readouterr().out

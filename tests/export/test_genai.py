@@ -22,7 +22,7 @@ try:
 except ImportError:  # an optional extra: pip install -e ".[genai]"
     onnxruntime_genai = None
 
-HYBRIDS = ["qwen3_5_text", "lfm2", "granitemoehybrid", "nemotron_h", "falcon_h1"]
+HYBRIDS = ["qwen3_5_text", "lfm2", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba"]
 NEW_TOKENS = 32
 PROMPT = "Speculative decoding drafts a few tokens"
 

@@ -19,14 +19,16 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from snapspec.runtime import Generator, Model, genai_folder, load
 from test_genai import hf_greedy, og_greedy
-from test_hostile import cli, one_error
-from tiny import load_hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))  # so that tests/export also runs on its own
+from test_hostile import cli, one_error  # noqa: E402
+from tiny import load_hf, torch_module
 
 from snapspec.manifest import Manifest
 
@@ -66,9 +68,10 @@ def built(tiny_model, tmp_path_factory):
     return result
 
 
-def builder_rounding(model: torch.nn.Module) -> torch.nn.Module:
+def builder_rounding(model):
     """The builder's bf16 arithmetic on a bf16 checkpoint, applied to a float32 model: Qwen3.5's offset norms hold
     bf16(1 + w) and the decay holds bf16(-exp(A_log)). A no-op for LFM2 (plain norm weights, no A_log)."""
+    torch = torch_module()
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__ == "Qwen3_5RMSNorm":

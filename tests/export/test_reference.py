@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from oracle import assert_close
+from oracle import assert_close, torch
 import reference as ref
 
 RTOL = 1e-5
@@ -90,7 +89,7 @@ def test_rotary_embedding_partial():
     assert_close("RotaryEmbedding", y.reshape(B, T, H, D), ref.rope(x, pos, rd, theta), RTOL)
 
 
-def gqa(q, k, v, past_k, past_v, total: int):
+def gqa(q, k, v, past_k, past_v, total: int, **attrs):
     """GroupQueryAttention writing into one shared [1, Hkv, capacity, D] buffer; returns (out, present_k, present_v)."""
     _, T, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -98,8 +97,21 @@ def gqa(q, k, v, past_k, past_v, total: int):
              "past_k": past_k, "past_v": past_v, "seqlens_k": np.array([total - 1], np.int32),
              "total": np.array(total, np.int32)}
     out, pk, pv = run_node("GroupQueryAttention", list(feeds), feeds, {}, ["out", "present_k", "present_v"],
-                           num_heads=Hq, kv_num_heads=Hkv)
+                           num_heads=Hq, kv_num_heads=Hkv, **attrs)
     return out.reshape(1, T, Hq, D), pk, pv
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_group_query_attention_sliding_window(T):
+    """The sliding-window layers' use (export/blocks/sliding.py): a past of only the last window - 1 rows before
+    position P, T new rows, local_window_size = window: onnxruntime's CPU kernel gives each row the last `window`
+    keys, itself included, as transformers' sliding mask does."""
+    rng = np.random.default_rng(T)
+    Hq, Hkv, D, window, P = 4, 2, 16, 6, 20
+    q, k, v = (f32(rng.standard_normal((1, P + T, h, D))) for h in (Hq, Hkv, Hkv))
+    past_k, past_v = (np.ascontiguousarray(a[:, P - window + 1:P].transpose(0, 2, 1, 3)) for a in (k, v))
+    out, _, _ = gqa(q[:, P:], k[:, P:], v[:, P:], past_k, past_v, window - 1 + T, local_window_size=window)
+    assert_close("GroupQueryAttention sliding window", out, ref.attention(q, k, v, window=window)[:, P:], RTOL)
 
 
 def test_group_query_attention_shared_buffer():
@@ -165,7 +177,8 @@ def moe_weights(rng, D=64, I=32, E=6):
 def test_moe_block(normalize, quant):
     """Decoder.moe (com.microsoft MoE, QMoE under int4; the layout code is the exporter's own) against the
     reference; under int4 the reference uses the weights src/snapspec/export/quant.py dequantizes to. (QMoE ignores
-    normalize_routing_weights=0 on CPU, so the block keeps float experts then: the test checks it does.)"""
+    normalize_routing_weights=0 on CPU, so a router that does not renormalise runs it renormalising, its output
+    times the top-k share of the softmax: the test checks that this is the unrenormalised law, with int4 experts.)"""
     from snapspec.export.blocks import Decoder
     from snapspec.export.graph import Graph
     from snapspec.export.quant import dequantize_int4, quantize_int4
@@ -183,7 +196,8 @@ def test_moe_block(normalize, quant):
     sess = ort.InferenceSession(g.to_model().SerializeToString(), providers=["CPUExecutionProvider"])
     xs = f32(rng.standard_normal((1, 9, D)))
     (out,) = sess.run(None, {"x": xs})
-    if quant == "int4" and normalize:
+    assert {n.op_type for n in g.nodes} & {"MoE", "QMoE"} == {"QMoE" if quant == "int4" else "MoE"}
+    if quant == "int4":
         for k in ("gate_w", "up_w", "down_w"):
             w[k] = np.stack([dequantize_int4(*quantize_int4(e, block), e.shape[1]) for e in w[k]])
     expected = ref.moe(xs[0], **w, top_k=2, normalize=normalize)
@@ -363,6 +377,79 @@ def test_reference_mamba2_matches_transformers():
     assert_close("mamba2_selective_state_update state", s.numpy().transpose(0, 1, 3, 2), s_ref, RTOL)
 
 
+def selective_scan_inputs(rng, B=2, T=70, E=24, N=6):
+    x = rng.standard_normal((B, T, E))
+    dt = np.log1p(np.exp(rng.standard_normal((B, T, E))))
+    A = -np.exp(rng.standard_normal((E, N)))
+    Bm, Cm = rng.standard_normal((B, T, N)), rng.standard_normal((B, T, N))
+    return x, dt, A, Bm, Cm, rng.standard_normal(E), rng.standard_normal((B, E, N, 1))
+
+
+def _scan_feeds(x, dt, A, Bm, Cm, state):
+    """LinearAttention's inputs for the Mamba1 scan (blocks/selective_scan.py): one head per channel, d_v = 1."""
+    B, T, E = x.shape
+    N = A.shape[-1]
+    per_channel = lambda t: f32(np.broadcast_to(t[:, :, None, :], (B, T, E, N)).reshape(B, T, E * N))  # noqa: E731
+    return {"q": per_channel(Cm), "k": per_channel(Bm), "v": f32(dt * x), "state": f32(state),
+            "decay": f32((dt[..., None] * A).reshape(B, T, E * N))}
+
+
+@pytest.mark.parametrize("T", [1, 7, 70])
+def test_linear_attention_per_key_decay_is_the_selective_scan(T):
+    """LinearAttention "gated" with a decay per key dimension, d_inner heads of d_k = d_state, d_v = 1: Mamba1's
+    scan (T = 70 crosses the op's chunk of 64)."""
+    x, dt, A, Bm, Cm, D, state = selective_scan_inputs(np.random.default_rng(T), T=T)
+    B, _, E = x.shape
+    feeds = _scan_feeds(x, dt, A, Bm, Cm, state)
+    out, present = run_node("LinearAttention", list(feeds), feeds, {}, ["o", "present"], q_num_heads=E,
+                            kv_num_heads=E, update_rule="gated", scale=1.0)
+    y_ref, s_ref = ref.selective_scan(x, dt, A, Bm, Cm, None, state)
+    assert_close("LinearAttention per-key decay output", out, y_ref, RTOL)
+    assert_close("LinearAttention per-key decay present_state", present, s_ref, RTOL)
+
+
+def test_linear_attention_per_key_decay_rows_are_bitwise():
+    """A 9-token call equals nine one-token calls bit for bit, output and state (what the runtime's k-row == one-row
+    property needs of the op)."""
+    x, dt, A, Bm, Cm, _, state = selective_scan_inputs(np.random.default_rng(3), B=1, T=9)
+    E = x.shape[2]
+    attrs = dict(q_num_heads=E, kv_num_heads=E, update_rule="gated", scale=1.0)
+    feeds = _scan_feeds(x, dt, A, Bm, Cm, state)
+    multi, multi_state = run_node("LinearAttention", list(feeds), feeds, {}, ["o", "present"], **attrs)
+    s, rows = f32(state), []
+    for t in range(9):
+        one = _scan_feeds(x[:, t:t + 1], dt[:, t:t + 1], A, Bm[:, t:t + 1], Cm[:, t:t + 1], s)
+        row, s = run_node("LinearAttention", list(one), one, {}, ["o", "present"], **attrs)
+        rows.append(row)
+    assert np.array_equal(np.concatenate(rows, axis=1), multi) and np.array_equal(s, multi_state)
+
+
+def test_reference_selective_scan_matches_transformers():
+    """transformers' Mamba1 scan (the sequential path, from a zero state: its only multi-token form) and its
+    one-token update from a given state, with the softplus and the dt bias inside, the state [B, E, N]."""
+    from transformers.models.mamba import modeling_mamba as m
+
+    rng = np.random.default_rng(17)
+    x, dt_raw, A, Bm, Cm, D, state = selective_scan_inputs(rng, T=20)
+    dt_bias = rng.standard_normal(x.shape[2])
+    dt = np.log1p(np.exp(dt_raw + dt_bias))
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in
+         dict(x=x, dt=dt_raw, A=A, B=Bm, C=Cm, D=D, bias=dt_bias).items()}
+    y, s = m.mamba_selective_scan(t["x"].transpose(1, 2), t["dt"].transpose(1, 2), t["A"], t["B"].transpose(1, 2),
+                                  t["C"].transpose(1, 2), D=t["D"], delta_bias=t["bias"], delta_softplus=True,
+                                  return_last_state=True, use_associative_scan=False)
+    y_ref, s_ref = ref.selective_scan(x, dt, A, Bm, Cm, D)
+    assert_close("mamba_selective_scan output", y.transpose(1, 2).numpy(), y_ref, RTOL)
+    assert_close("mamba_selective_scan state", s.numpy()[..., None], s_ref, RTOL)
+    y_ref, s_ref = ref.selective_scan(x, dt, A, Bm, Cm, D, state)
+    s = torch.from_numpy(state[..., 0].copy())
+    for i in range(x.shape[1]):
+        y1 = m.mamba_selective_state_update(s, t["x"][:, i], t["dt"][:, i], t["A"], t["B"][:, i], t["C"][:, i],
+                                            t["D"], dt_bias=t["bias"], dt_softplus=True)
+        assert_close(f"mamba_selective_state_update output {i}", y1.numpy(), y_ref[:, i], RTOL)
+    assert_close("mamba_selective_state_update state", s.numpy()[..., None], s_ref, RTOL)
+
+
 @pytest.mark.parametrize("norm_before_gate", [True, False])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_reference_gated_rms_norm_matches_transformers(groups, norm_before_gate):
@@ -433,3 +520,77 @@ def test_mamba2_block(gated_norm, norm_before_gate):
                                    "rollback_data": np.ascontiguousarray(out["rollback_data"][:, :j])})
         for name, value in zip([o.name for o in replay.get_outputs()], states):
             assert_close(f"replay j={j}: {name}", value, direct[name], RTOL)
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_rg_lru_block(start):
+    """Decoder.recurrent_block alone (the x and y projections, the conv with its state and bias, the RG-LRU as
+    LinearAttention with one head per channel, the gelu gate, the output projection) against the references, from a
+    nonzero state at position `start` (0: the reset, the state ignored as transformers ignores it); then the replay
+    graph, fed the forward's rollback data, advances both states over the first j tokens as a j-token forward."""
+    from snapspec.export.blocks import Decoder
+    from snapspec.export.graph import Graph
+    from snapspec.export.blocks.common import I64
+
+    rng = np.random.default_rng(23)
+    Dm, H, W, K, T = 40, 4, 48, 4, 11
+    bw = W // H
+    w = dict(x_w=rng.standard_normal((W, Dm)) * 0.3, x_b=rng.standard_normal(W) * 0.1,
+             y_w=rng.standard_normal((W, Dm)) * 0.3, y_b=rng.standard_normal(W) * 0.1,
+             conv_w=rng.standard_normal((W, 1, K)) * 0.5, conv_b=rng.standard_normal(W) * 0.1,
+             in_gate_w=rng.standard_normal((H, bw, bw)) * 0.3, in_gate_b=rng.standard_normal((H, bw)) * 0.1,
+             a_gate_w=rng.standard_normal((H, bw, bw)) * 0.3, a_gate_b=rng.standard_normal((H, bw)) * 0.1,
+             a_param=rng.uniform(-1, 3, W), out_w=rng.standard_normal((Dm, W)) * 0.2, out_b=rng.standard_normal(Dm) * 0.1)
+    w = {k: f32(v) for k, v in w.items()}
+    dec = Decoder(Graph("rglru"), Graph("replay"))
+    g = dec.fwd
+    x = g.input("x", F32, [1, "T", Dm])
+    dec.position_ids = g.input("position_ids", I64, [1, "T"])
+    g.output(dec.recurrent_block(x, 0, **w, heads=H, width=W, kernel=K), "y", F32, [1, "T", Dm])
+    dec.finish()
+    run = lambda graph: ort.InferenceSession(graph.to_model().SerializeToString(),  # noqa: E731
+                                             providers=["CPUExecutionProvider"])
+    fwd, replay = run(g), run(dec.replay)
+    xs = f32(rng.standard_normal((1, T, Dm)))
+    conv0 = f32(rng.standard_normal((1, K - 1, W))) * (start > 0)
+    rec0 = f32(rng.standard_normal((1, W))) * (start > 0)
+    pos = np.arange(start, start + T, dtype=np.int64)[None]
+    feeds = {"x": xs, "position_ids": pos, "past_conv_state.0": conv0, "past_rglru_state.0": rec0}
+    out = dict(zip([o.name for o in fwd.get_outputs()], fwd.run(None, feeds)))
+
+    xb, yb = xs[0] @ w["x_w"].T + w["x_b"], xs[0] @ w["y_w"].T + w["y_b"]
+    conv, conv_state = ref.causal_conv(xb[None], w["conv_w"][:, 0], conv0, w["conv_b"])
+    h, state = ref.rg_lru(conv, w["in_gate_w"], w["in_gate_b"], w["a_gate_w"], w["a_gate_b"], w["a_param"], pos, rec0)
+    gelu = 0.5 * yb * (1 + np.tanh(np.sqrt(2 / np.pi) * (yb + 0.044715 * yb ** 3)))
+    assert_close("rg_lru block output", out["y"], (h * gelu) @ w["out_w"].T + w["out_b"], RTOL)
+    assert_close("rg_lru block conv state", out["present_conv_state.0"], conv_state, RTOL)
+    assert_close("rg_lru block state", out["present_rglru_state.0"], state, RTOL)
+    for j in (1, 5, T):
+        direct = dict(zip([o.name for o in fwd.get_outputs()],
+                          fwd.run(None, {**feeds, "x": xs[:, :j], "position_ids": pos[:, :j]})))
+        states = replay.run(None, {"past_conv_state.0": conv0, "past_rglru_state.0": rec0,
+                                   "rollback_data": np.ascontiguousarray(out["rollback_data"][:, :j])})
+        for name, value in zip([o.name for o in replay.get_outputs()], states):
+            assert np.array_equal(value, direct[name]), f"replay j={j}: {name} differs from a {j}-token forward"
+
+
+def test_rg_lru_reference_against_transformers():
+    """ref.rg_lru against transformers' RecurrentGemmaRglru (its prefill scan), from position 0."""
+    from transformers import RecurrentGemmaConfig
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+
+    config = RecurrentGemmaConfig(hidden_size=48, lru_width=48, num_attention_heads=4)
+    module = RecurrentGemmaRglru(config)
+    rng = np.random.default_rng(5)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(p.shape).astype(np.float32) * 0.3))
+    x = f32(rng.standard_normal((2, 9, 48)))
+    pos = np.tile(np.arange(9), (2, 1))
+    module.recurrent_states = None
+    with torch.no_grad():
+        got = module(torch.from_numpy(x), torch.from_numpy(pos)).numpy()
+    p = {n: t.detach().numpy().astype(np.float64) for n, t in module.named_parameters()}
+    h, _ = ref.rg_lru(x, p["input_gate_weight"], p["input_gate_bias"], p["recurrent_gate_weight"],
+                      p["recurrent_gate_bias"], p["recurrent_param"], pos)
+    assert_close("rg_lru reference vs transformers", h, got, RTOL)

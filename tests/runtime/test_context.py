@@ -87,7 +87,7 @@ def kept(tiny_export, tmp_path_factory):
 def _host_rows(m) -> Context:
     """A context that ignores the graph's logits_to_keep and next_tokens, as with an export made before them."""
     ctx = Context(m, 64)
-    ctx.keeps_rows = ctx.argmax_in_graph = False
+    ctx.io.keeps_rows = ctx.io.argmax_in_graph = False
     return ctx
 
 

@@ -1,5 +1,5 @@
 """The fixed-address forward path that CUDA graphs replay (src/snapspec/runtime/cuda_graph.py), checked on CPU, and device-copy
-regions (src/snapspec/runtime/device_copy.py).
+regions (src/snapspec/runtime/device/copy.py).
 
 On CPU nothing is captured, but the path is the same one a captured step takes: token ids, positions and a
 full-context attention mask packed in one buffer rewritten in place, every output in a buffer of its own, the state
@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from snapspec.runtime import Context, default_mode, load
+from snapspec.runtime import Context, stores_for, load
 from snapspec.runtime.contract import rel_err
-from snapspec.runtime.device_copy import Copier, Region
+from snapspec.runtime.device.copy import Copier, Region
 
 
 def _script(ctx_a, ctx_b, rng, vocab):
@@ -45,7 +45,7 @@ def _script(ctx_a, ctx_b, rng, vocab):
 @pytest.mark.parametrize("role", ["target", "drafter"])
 def test_fixed_steps_equal_ordinary_forwards(tiny_export, arch, role):
     model = load(tiny_export(arch))
-    mode = default_mode(model, role)
+    mode = stores_for(model, role)
     plain = Context(model, 64, mode=mode, window=4)
     fixed = Context(model, 64, mode=mode, window=4, graph_tokens=3)
     assert fixed.steps is not None and plain.steps is None

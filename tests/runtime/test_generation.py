@@ -10,7 +10,7 @@ import pytest
 
 from snapspec import SnapspecError
 from snapspec.runtime import Draft, Drafter, Generator, SamplingParams, load, stream_text
-from snapspec.runtime import drafters as drafters_mod
+from snapspec.runtime.drafters import base as drafters_mod  # where drafters pick (Drafter.choose)
 from snapspec.runtime import generation as generation_mod
 from snapspec.runtime.state import DeviceCopy
 
@@ -129,9 +129,9 @@ class ScriptDrafter(Drafter):
 
     def __init__(self, prompt_len: int, script: list[int], vocab: int):
         self.prompt_len, self.script, self.vocab = prompt_len, script, vocab
-        self.calls = []
+        self.calls, self.verified = [], []
 
-    def propose(self, seq, k, *, checkpoint=False):
+    def propose(self, seq, k):
         at = len(seq) - self.prompt_len
         tokens = [self.script[i] if i < len(self.script) and i % 5 != 4 else (self.script[0] + i) % self.vocab
                   for i in range(at, at + k)]
@@ -141,10 +141,11 @@ class ScriptDrafter(Drafter):
                 row = np.zeros(self.vocab)
                 row[tok] = 1.0
                 q.append(row)
-        self.calls.append((len(seq), k, checkpoint))
+        self.calls.append((len(seq), k))
         return Draft(tokens, q)
 
-    def accepted(self, j):
+    def accepted(self, j, verify):
+        self.verified.append((j, len(verify.ids)))
         return None
 
 
@@ -161,7 +162,8 @@ def test_a_drafter_without_a_model(model, target):
                       stop_at_eos=False)
         assert g.run() == plain, (k, rollback)
         assert 0 < g.stats.acceptance < 1 and g.stats.drafter_forwards == 0
-        assert all(cp == (rollback == "checkpoint") for *_, cp in drafter.calls)
+        # every verify reaches the drafter, with the target's k+1 rows (plain steps: j = 0, one row)
+        assert [(j <= k, n) for j, n in drafter.verified if n > 1] == [(True, k + 1)] * len(drafter.calls)
         if rollback == "checkpoint":
             assert set(g.stats.rollbacks) == {"checkpoint"}
         else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapspec.runtime import Context, Generator, ModelDrafter, default_mode, load
+from snapspec.runtime import Context, Generator, ModelDrafter, stores_for, load
 from snapspec.runtime.providers import available
 from snapspec.runtime import contract
 
@@ -32,7 +32,7 @@ def _failed(checks) -> list[str]:
 @pytest.mark.parametrize("target,drafter", PAIRS)
 def test_contract_on_gpu(tiny_export, ep, dtype, recurrent, target, drafter):
     _need(ep)
-    t = load(tiny_export(target, dtype=dtype), ep, recurrent=recurrent)
+    t = load(tiny_export(target, dtype=dtype), ep, rollback=recurrent)
     d = load(tiny_export(drafter, dtype=dtype), ep, role="drafter")
     assert t.ep == ep and t.device != "cpu"
     assert (t.state_window is not None) == (ep == "cuda" and recurrent == "auto" and t.has_recurrent)
@@ -44,10 +44,10 @@ def test_webgpu_fp16_numerics(tiny_export, target):
     """WebGPU fp16: multi-token forwards match one-token steps and every rollback is exact, within fp16 tolerance.
     Greedy equality is not asserted on these random models: their logits are nearly flat, and WebGPU's fp16 kernels
     round a multi-token verify differently from one-token steps (rel 3e-3), enough to flip near-ties (seen: the
-    first differing token at 16-23 of 24). The trained pair-a passes every check in fp16 (BENCHMARKS.md)."""
+    first differing token at 16-23 of 24). The trained pair-a passes every check in fp16 (docs/benchmarks/webgpu.md)."""
     _need("webgpu")
     t = load(tiny_export(target, dtype="float16"), "webgpu")
-    checks = [contract.check_multi_vs_single(t), contract.check_rollback(t, default_mode(t))]
+    checks = [contract.check_multi_vs_single(t), contract.check_rollback(t, stores_for(t))]
     assert not _failed(checks)
 
 
@@ -56,7 +56,7 @@ def test_state_window_on_cuda(tiny_export, target):
     """The state-window graph (CUDA's default): the same greedy tokens as replay, every rollback by window."""
     _need("cuda")
     folder = tiny_export(target, dtype="float16")
-    win, rep = load(folder, "cuda"), load(folder, "cuda", recurrent="replay")
+    win, rep = load(folder, "cuda"), load(folder, "cuda", rollback="replay")
     drafter = load(tiny_export("qwen3" if target == "lfm2" else "lfm2", dtype="float16"), "cuda", role="drafter")
     assert Context(win).mode == "window" and Context(rep).mode == "replay"
     assert not _failed(contract.run_checks(win, drafter, window=8, new_tokens=24))
@@ -123,9 +123,9 @@ def test_device_checkpoint_equals_host(tiny_export, target, recurrent, role):
     """A checkpoint copied on the device (cudart) restores exactly what one copied through the host restores, in
     every recurrent store (state window, replay, ring), and the state at the checkpoint."""
     _need("cuda")
-    model = load(tiny_export(target, dtype="float16"), "cuda", recurrent=recurrent, role=role)
+    model = load(tiny_export(target, dtype="float16"), "cuda", rollback=recurrent, role=role)
     ids = model.encode("import numpy as np\nclass Buffer:")
-    dev, host = Context(model, 64, mode=default_mode(model, role)), Context(model, 64, mode=default_mode(model, role))
+    dev, host = Context(model, 64, mode=stores_for(model, role)), Context(model, 64, mode=stores_for(model, role))
     host.copy.kind = "host"
     assert dev.copy.kind == "cudart"
     snaps = []
@@ -159,7 +159,7 @@ def test_chained_drafts_on_cuda_graphs(tiny_export, target, drafter):
     _need("cuda")
     tf, df = tiny_export(target, dtype="float16"), tiny_export(drafter, dtype="float16")
     t, d = load(tf, "cuda", cuda_graph=9), load(df, "cuda", role="drafter", cuda_graph=9)
-    mode = default_mode(d, "drafter")
+    mode = stores_for(d, "drafter")
     # both capture; the reference reads each step back instead of chaining
     ref, chained = Context(d, 96, mode=mode, window=8), Context(d, 96, mode=mode, window=8)
     assert chained.chains

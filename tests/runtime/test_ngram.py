@@ -10,7 +10,7 @@ import pytest
 
 from snapspec import SnapspecError
 from snapspec.runtime import Generator, contract
-from snapspec.runtime.ngram import LookupChooser, NgramDrafter, NgramIndex
+from snapspec.runtime.drafters.ngram import LookupChooser, NgramDrafter, NgramIndex
 from tiny import MODEL_TYPES
 
 
@@ -191,12 +191,12 @@ def test_window_mode_on_the_scan_stand_in(tmp_path):
     from snapspec.runtime import load
     from snapspec.runtime import model as model_mod
     folder = _make(tmp_path)
-    original = model_mod._forward_graph
-    model_mod._forward_graph = lambda m, ep, role, recurrent: "forward_window"
+    original = model_mod.graph_for
+    model_mod.graph_for = lambda m, ep, role, rollback: "forward_window"
     try:
         windowed = load(folder, threads=1)
     finally:
-        model_mod._forward_graph = original
+        model_mod.graph_for = original
     assert windowed.state_window == W
     accepted, drafted, modes = _check_modes(windowed, [5, 7, 11], 60, rollbacks=("auto",))
     assert {"target:window", "checkpoint"} <= modes, modes
@@ -256,7 +256,7 @@ def test_sampled_law_with_ngram_drafts(k, top_k):
             assert all(q[d] == 1.0 and q.sum() == 1.0 for d, q in zip(draft.tokens, draft.q))
             rows = np.stack([_logits(0, out + draft.tokens[:i]) for i in range(k + 1)])
             j, nxt = accept(draft.tokens, draft.q, rows, params, rng)
-            drafter.accepted(j)
+            drafter.accepted(j, None)
             out += draft.tokens[:j] + [nxt]
         counts[out[0], out[1]] += 1
     first = probs(_logits(0, []), params)
@@ -359,10 +359,10 @@ class _Recorder(NgramDrafter):
 
 
 def _recorded_run(t, prompt, new_tokens, draft_max, n_min, n_max):
-    from snapspec.runtime import Context, default_mode
+    from snapspec.runtime import Context, stores_for
     events: list = []
     drafter = _Recorder(events, t.vocab_size, n_min, n_max)
-    ctx = Context(t, len(prompt) + new_tokens + 8, mode=default_mode(t), window=8)
+    ctx = Context(t, len(prompt) + new_tokens + 8, mode=stores_for(t), window=8)
     forward, rollback = ctx.forward, ctx.rollback
 
     def logged_forward(tokens, keep=None, logits=True):

@@ -21,6 +21,13 @@ ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
 PAIRS = [(t, ARCHS[(i + 1) % len(ARCHS)]) for i, t in enumerate(ARCHS)]
 MAMBA2_PAIRS = [("granitemoehybrid", "qwen3"), ("nemotron_h", "granitemoehybrid"), ("falcon_h1", "nemotron_h"),
                 ("qwen3_5_text", "falcon_h1")]
+# Bamba, pure Mamba2 (no KV at all), LFM2-MoE and Zamba2 as targets, Qwen3 drafters on the Bamba and Zamba2 ones
+# (shared vocabulary, different families); Bamba and Mamba2 also draft. LFM2-MoE and Zamba2 draft in
+# test_state_property's ring walks only (an 8B-A1B or 1.2B model is a target; the contract costs seconds each).
+MORE_PAIRS = [("bamba", "qwen3"), ("mamba2", "bamba"), ("lfm2_moe", "mamba2"), ("zamba2", "qwen3")]
+# Mamba1 (selective scan): a Qwen3 drafter on a Jamba target, a Falcon-Mamba drafter (ring) on a Mamba target, a
+# Jamba drafter (ring beside its KV) on a Falcon-Mamba target.
+MAMBA1_PAIRS = [("jamba", "qwen3"), ("mamba", "falcon_mamba"), ("falcon_mamba", "jamba")]
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +43,7 @@ def model(tiny_export):
     return get
 
 
-@pytest.mark.parametrize("target,drafter", PAIRS + MAMBA2_PAIRS)
+@pytest.mark.parametrize("target,drafter", PAIRS + MAMBA2_PAIRS + MORE_PAIRS + MAMBA1_PAIRS)
 def test_contract(model, target, drafter):
     """multi-token == one-token steps, rollback exact for j = 0..W (NaN-poisoned buffers), greedy speculative ==
     greedy plain for k = 1..W, counters add up, drafter == target gives acceptance 1.0."""
@@ -46,12 +53,12 @@ def test_contract(model, target, drafter):
     assert {c.where for c in checks} >= {"target", "drafter", "pair"}
 
 
-@pytest.mark.parametrize("target,drafter", MAMBA2_PAIRS[:3])
+@pytest.mark.parametrize("target,drafter", MAMBA2_PAIRS[:3] + MORE_PAIRS + MAMBA1_PAIRS)
 def test_mamba2_checkpoint_and_window_paths(model, target, drafter):
     """Greedy speculative == greedy plain for k = 1..8 beyond the contract's defaults (replay target, ring drafter,
     window 8): with every round forced through the checkpoint path, and with a window of 3, so that rounds drafting
     more take the checkpoint path and the others roll back by replay and ring slots, mixed in one run. NaN-poisoned
-    buffers; the plain output is not degenerate."""
+    buffers; the plain output is not degenerate. The Mamba2 pairs and the Mamba1 ones (selective-scan state)."""
     t, d = model(target), model(drafter)
     prompt = t.encode("Rolling back the state of a hybrid model")
     plain = Generator(t, prompt, max_new_tokens=24, stop_at_eos=False, poison=True).run()
@@ -220,3 +227,33 @@ def test_nonfinite_logits_stop(model, monkeypatch):
     with pytest.raises(SnapspecError, match="non-finite logits"):
         g.run()
     assert len(g.tokens) == 2
+
+
+@pytest.mark.parametrize("target,drafter", MAMBA1_PAIRS)
+def test_sampled_law_on_mamba1_targets(model, target, drafter):
+    """Speculative sampling (top-k 3, k = 2) on a Mamba1 target: the first two emitted tokens follow the target's
+    joint law, computed from fresh forwards of the target (5 sigma per cell, 300 seeded runs of three tokens, so that
+    a rejected draft is rolled back before the third: replay on the target, ring on a Mamba1 drafter)."""
+    from snapspec.runtime.sampling import probs
+
+    t, d = model(target), model(drafter)
+    prompt = t.encode("The quick brown")
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=s) for s in range(300)]
+    rows = Context(t, 64).forward(prompt).logits
+    first = probs(rows[-1], params[0])
+    support = np.flatnonzero(first)
+    exact = np.zeros((t.vocab_size, t.vocab_size))
+    for a in support:
+        exact[a] = first[a] * probs(Context(t, 64).forward(prompt + [int(a)]).logits[-1], params[0])
+    counts, modes = np.zeros_like(exact), set()
+    for p in params:
+        g = Generator(t, prompt, drafter=d, max_new_tokens=3, draft_max=2, sampling=p, stop_at_eos=False,
+                      context=32)
+        a, b, _ = g.run()
+        counts[a, b] += 1
+        modes |= g.modes_used
+    n = len(params)
+    sigma = np.sqrt(exact * (1 - exact) / n)
+    assert np.all(np.abs(counts / n - exact) <= 5 * sigma + 1e-9), np.max(np.abs(counts / n - exact) / (sigma + 1e-12))
+    assert np.all(counts[exact == 0] == 0)
+    assert "target:replay" in modes, modes

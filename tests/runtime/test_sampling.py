@@ -3,6 +3,8 @@ conditional distributions, the joint law of two emitted tokens compared with the
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
 import pytest
 
@@ -12,12 +14,23 @@ V = 5
 
 
 def _dist(seed, prefix):
-    r = np.random.default_rng(hash((seed,) + tuple(prefix)) % 2**32)
-    return r.dirichlet(np.ones(V) * 0.7)
+    return _exp_logits(seed, tuple(prefix))[0]
 
 
 def _logits(seed, prefix):
-    return np.log(_dist(seed, prefix))
+    return _exp_logits(seed, tuple(prefix))[1]
+
+
+@cache
+def _exp_logits(seed: int, prefix: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed random conditional law per (seed, prefix) and its log; memoised (the Monte Carlo loops below ask for
+    the same few hundred prefixes tens of thousands of times, and drawing the law again cost most of their time).
+    The arrays are read-only, so that a caller cannot change a cached law."""
+    r = np.random.default_rng(hash((seed,) + prefix) % 2**32)
+    p = r.dirichlet(np.ones(V) * 0.7)
+    logits = np.log(p)
+    p.flags.writeable = logits.flags.writeable = False
+    return p, logits
 
 
 def test_probs_applies_top_k_and_top_p():
@@ -28,9 +41,12 @@ def test_probs_applies_top_k_and_top_p():
     assert np.count_nonzero(p) == 2 and np.allclose(p[:2], [0.5 / 0.8, 0.3 / 0.8])
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 2])
 def test_speculative_sampling_matches_target_joint(k):
-    """Draft k tokens from q, verify with p, emit; the first two emitted tokens follow p(t1) p(t2 | t1)."""
+    """Draft k tokens from q, verify with p, emit; the first two emitted tokens follow p(t1) p(t2 | t1). k = 1 makes
+    the two tokens span rounds (accept + bonus, or a residual draw then a new round); k = 2 decides both within one
+    round (acceptance and the residual at draft positions 0 and 1). A third draft could only change the third
+    emitted token, which this law does not count, so k = 3 would repeat k = 2."""
     params = SamplingParams(temperature=1.0, seed=0)
     rng = np.random.default_rng(123)
     n = 40000

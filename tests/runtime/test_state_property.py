@@ -28,7 +28,11 @@ from hypothesis import strategies as st
 from snapspec import SnapspecError
 from snapspec.runtime import Context, RollbackError, load
 
-ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
+# One architecture per kind of state: Gated DeltaNet (qwen3_5_text), short convolution (lfm2), attention only (qwen3);
+# the Mamba2 hybrids below. Qwen3-Next is left out: its linear-attention layers have the same kind and the same
+# shapes (tests/tiny.py's _GDN) as Qwen3.5's, so its states go through the same stores; only its MLP (MoE) differs,
+# which test_runtime's contract and the export parity tests cover.
+ARCHS = ["qwen3_5_text", "lfm2", "qwen3"]
 # The pure-attention qwen3 truncates in either mode: one case for it.
 CASES = [(a, "replay") for a in ARCHS] + [(a, "ring") for a in ARCHS if a != "qwen3"]
 W = 3  # small, so that verifies and rollbacks beyond the window are common
@@ -235,13 +239,32 @@ def walk(models, arch: str, mode: str, data) -> None:
     run_example(data, model, ctx, ref)
 
 
-MAMBA2_CASES = [(a, m) for a in ("granitemoehybrid", "nemotron_h", "falcon_h1") for m in ("replay", "ring")]
+MAMBA2_CASES = [(a, m) for a in ("granitemoehybrid", "nemotron_h", "falcon_h1", "bamba", "mamba2", "zamba2")
+                for m in ("replay", "ring")]
+# LFM2-MoE: LFM2's short conv + KV beside sparse experts (whose rows round differently with the row count).
+MOE_CASES = [("lfm2_moe", "replay"), ("lfm2_moe", "ring")]
+# Mamba1's selective-scan state: pure (mamba, falcon_mamba) and beside a KV cache and experts (jamba).
+MAMBA2_CASES += [(a, m) for a in ("mamba", "falcon_mamba", "jamba") for m in ("replay", "ring")]
 
 
-@pytest.mark.parametrize("arch,mode", MAMBA2_CASES)
+@pytest.mark.parametrize("arch,mode", MAMBA2_CASES + MOE_CASES)
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_operations_keep_mamba2_state_exact(models, arch, mode, data):
-    """The same walks on the Mamba2 hybrids' conv + SSM state (Falcon-H1: beside a KV cache in every layer). Fewer
-    examples than above: the new part is the state, restored through the same store paths."""
+    """The same walks on the Mamba2 hybrids' conv + SSM state (Falcon-H1: beside a KV cache in every layer; pure
+    Mamba2: no KV at all; Zamba2: KV and SSM state in its hybrid layers), on LFM2-MoE, and on
+    Mamba1's conv + selective-scan state (Mamba, Jamba). Fewer examples than
+    above: the new part is the state, restored through the same store paths."""
+    walk(models, arch, mode, data)
+
+
+KDA_CASES = [("kimi_linear", "replay"), ("kimi_linear", "ring"), ("bailing_hybrid", "replay")]
+
+
+@pytest.mark.parametrize("arch,mode", KDA_CASES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_operations_keep_kda_state_exact(models, arch, mode, data):
+    """The same walks on KDA's conv + per-channel-decay matrix state and MLA's latent KV (kv_latent, truncated).
+    Ling's ring path is the same store over the same state kinds as Kimi-Linear's, so it has no case of its own."""
     walk(models, arch, mode, data)

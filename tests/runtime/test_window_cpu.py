@@ -114,12 +114,12 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def windowed(folder):
     """The folder on its state-window graph, as CUDA would pick it (the EP check is what CPU cannot pass)."""
-    original = model_mod._forward_graph
-    model_mod._forward_graph = lambda m, ep, role, recurrent: "forward_window"
+    original = model_mod.graph_for
+    model_mod.graph_for = lambda m, ep, role, rollback: "forward_window"
     try:
         return load(folder, threads=1)
     finally:
-        model_mod._forward_graph = original
+        model_mod.graph_for = original
 
 
 def _reference(tokens) -> np.ndarray:
@@ -200,3 +200,17 @@ def test_speculation_with_a_window_target_equals_plain(folder, windowed, tmp_pat
         assert "target:window" in g.modes_used and "checkpoint" not in g.modes_used, g.modes_used
     g = Generator(windowed, ids, drafter=drafter, max_new_tokens=40, draft_max=W, stop_at_eos=False)
     assert g.run() == plain and "checkpoint" in g.modes_used  # k = W exceeds what a window of W can undo
+
+
+def test_bench_on_a_window_target_times_only_what_it_can_undo(folder, windowed, tmp_path):
+    """bench's cost model times target forwards of up to depth + 1 tokens and rolls each back to one kept token: on
+    a state-window target (depth W - 1) that is W tokens, not W + 1 (which it cannot undo: found on the H200)."""
+    from snapspec.bench.plan import Plan
+    from snapspec.bench.run import run_bench
+
+    drafter = load(_make(tmp_path, decay=0.7499), threads=1, role="drafter")
+    result = run_bench(windowed, [drafter], ["abc de", "fg hij"], Plan("quick", probe=True), labels=["d"],
+                       max_new_tokens=12, reps=1)
+    costs = result["cost_models"]["d"]
+    assert len(costs["C"]) == W, costs  # C(1..W): verifies of up to W tokens (k <= W - 1)
+    assert result["configs"]  # ran them (bench raises when a run's text leaves plain decoding's)

@@ -5,6 +5,7 @@ conversation (plain greedy decoding from the full prompt, no state kept)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 
 from snapspec import SnapspecError
 from snapspec.runtime import ChatSession, Context, final_text, generate, load
-from snapspec.runtime.chat import chat_format, common_prefix, conversation_ids, prompt_ids
+from snapspec.runtime.prompt import FrontDoor, common_prefix
 
 SNAPSPEC = str(Path(sys.executable).parent / "snapspec")
 TURN = re.compile(r"\[turn (\d+): (\d+) tokens; stop (\w+); prompt (\d+) prefilled \+ (\d+) reused(.*)\]")
@@ -32,8 +33,10 @@ def pair(chat_export):
 
 
 def _spawn(args: list[str], timeout: float = 60) -> pexpect.spawn:
-    return pexpect.spawn(SNAPSPEC, args, encoding="utf-8", timeout=timeout, dimensions=(40, 200),
-                         env={"PATH": str(Path(sys.executable).parent), "TERM": "dumb", "HOME": "/tmp"})
+    env = {"PATH": str(Path(sys.executable).parent), "TERM": "dumb", "HOME": "/tmp"}
+    if os.environ.get("PYTHONPATH"):  # the snapspec under test, where it is not the installed one
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return pexpect.spawn(SNAPSPEC, args, encoding="utf-8", timeout=timeout, dimensions=(40, 200), env=env)
 
 
 def _fresh(target, messages, max_new_tokens):
@@ -57,8 +60,10 @@ def test_chat_repl_three_turns(pair, drafter):
         p.sendline(text)
         p.expect(TURN)
         turns.append(p.match.groups())
-        # the reply is what the terminal showed between the echoed input line and the stats line
-        replies.append(p.before.split(text + "\r\n", 1)[1][:-2].replace("\r\n", "\n"))
+        # the reply is what the terminal showed between the echoed input line and the stats line; the last echo, as
+        # a line typed before the REPL reads it is echoed twice on a loaded machine (the tty's echo, then readline's)
+        shown = p.before.rsplit(text, 1)[1]
+        replies.append(shown[shown.index("\n") + 1:][:-2].replace("\r\n", "\n"))
         p.expect("> ")
     p.sendline("/stats")
     p.expect(r"\[3 turns; (\d+) tokens generated; prompt tokens (\d+) prefilled \+ (\d+) reused")
@@ -69,12 +74,12 @@ def test_chat_repl_three_turns(pair, drafter):
     p.expect(pexpect.EOF)
 
     target = load(t_dir, threads=1)
-    fmt = chat_format(target)
+    door = FrontDoor(target)
     messages = [{"role": "system", "content": "Be brief."}]
     prompts, fresh = [], []
     for i, text in enumerate(USER):
         messages.append({"role": "user", "content": text})
-        prompts.append(prompt_ids(target, messages, fmt=fmt))
+        prompts.append(door.chat(messages).ids)
         gen = _fresh(target, messages, 12)
         fresh.append(gen)
         assert replies[i] == final_text(gen), f"turn {i + 1}: the chat's reply differs from a fresh generation"
@@ -137,7 +142,8 @@ def test_mark_returns_to_the_conversation_before_the_generation_prompt(chat_expo
         assert reply == final_text(_fresh(target, session.messages[:-1], 10))
         s = session.last.stats
         if previous is not None:
-            ids, base = conversation_ids(target, previous)  # the conversation before the last generation prompt
+            last = FrontDoor(target).chat(previous)  # base: the conversation before the last generation prompt
+            ids, base = last.ids, last.base
             assert common_prefix(session.last.prompt, ids) == len(ids) - 1  # diverges at the last prompt's end
             assert s.prompt_reused == base and 0 < base < len(ids)  # back to the mark, not to 0
         for ctx in (session.cache.tctx, session.cache.dctx):  # the state is what the tokens held give, afresh
@@ -151,12 +157,18 @@ def test_mark_returns_to_the_conversation_before_the_generation_prompt(chat_expo
 
 
 @pytest.mark.parametrize("draft_max", [2, "auto"])
-def test_ngram_session_looks_up_over_the_whole_conversation(chat_export, draft_max):
+def test_ngram_session_looks_up_over_the_whole_conversation(chat_export, draft_max, monkeypatch):
     """A ChatSession drafting by n-gram lookup (ChatML: turns return to the mark): every reply equals a fresh plain
     generation of the conversation; after each turn the drafter's index holds that turn's whole sequence (every
     earlier turn, the new prompt, the reply so far) and equals an index built afresh from it, although it was only
-    extended and cut back across turns; the lookups found drafts."""
-    from snapspec.runtime.ngram import NgramDrafter, NgramIndex
+    extended and cut back across turns; the lookups found drafts. With adaptive k the cost model is a fixed,
+    pair-a-like one (as in test_ngram): a model timed on a loaded machine can say that drafting never pays, and then
+    no lookup drafts (seen under load: lookups 10, hits 0)."""
+    from snapspec.runtime.adaptive import Costs
+    from snapspec.runtime.drafters.ngram import NgramDrafter, NgramIndex
+
+    fixed = Costs(C=[1.0, 1.15, 1.26, 1.32, 1.49, 1.67, 1.9, 2.0, 2.1], c=1e-4, r=0.05, step_seconds=1e-3)
+    monkeypatch.setattr(NgramDrafter, "measure_costs", lambda self, *a, **kw: fixed)
 
     target = load(chat_export("qwen3_5_text", "chatml"), threads=1)
     session = ChatSession(target, "ngram", system="Be brief.", max_new_tokens=10, draft_max=draft_max)
@@ -192,7 +204,7 @@ def test_generate_chat_flags(pair, tmp_path):
                              {"role": "user", "content": "for i in range(10):"}], max_new_tokens=8)
     assert out["token_ids"] == want.tokens and out["stats"]["prompt_tokens"] == len(want.prompt)
     raw = run("--chat", "--no-chat-template", "--prompt", "for i in range(10):")
-    plain = chat_format(target).encode_text("for i in range(10):")
+    plain = FrontDoor(target).text("for i in range(10):").ids
     assert plain[0] == target.tokenizer.token_to_id("<|startoftext|>")  # BOS as this tokenizer adds it
     assert raw["token_ids"] == generate(target, plain, max_new_tokens=8).tokens
     assert raw["stats"]["prompt_tokens"] == len(plain)
@@ -212,7 +224,7 @@ def test_generate_ignore_eos_and_ctrl_c_partial_json(tmp_path, chat_export):
 
     folder = chat_export("lfm2", "lfm2")
     model = load(folder, threads=1)
-    first = generate(model, chat_format(model).encode_text("abc"), max_new_tokens=1, stop_at_eos=False).tokens[0]
+    first = generate(model, FrontDoor(model).text("abc").ids, max_new_tokens=1, stop_at_eos=False).tokens[0]
     hf = make_chat_model("lfm2", tmp_path / "hf", "lfm2")
     (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, first]}))
     export(hf, tmp_path / "eos", log=lambda *a: None)
@@ -241,6 +253,7 @@ def test_mark_with_window_and_ring_stores(tmp_path, monkeypatch):
     """The mark over the other state stores: a target on a state-window graph (CUDA's, emulated on CPU by
     test_window_cpu's synthetic model) and a drafter on ring slots. A second prompt that leaves the first one right
     after its mark comes back there, and decodes what a fresh context decodes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # so that tests/serve runs on its own
     from test_window_cpu import _make
 
     from snapspec.runtime import Generator, PromptCache
@@ -249,7 +262,7 @@ def test_mark_with_window_and_ring_stores(tmp_path, monkeypatch):
     (tmp_path / "t").mkdir()
     (tmp_path / "d").mkdir()
     folder = _make(tmp_path / "t")
-    monkeypatch.setattr(model_mod, "_forward_graph", lambda m, ep, role, recurrent: "forward_window")
+    monkeypatch.setattr(model_mod, "graph_for", lambda m, ep, role, rollback: "forward_window")
     target = load(folder, threads=1)
     monkeypatch.undo()
     drafter = load(_make(tmp_path / "d", decay=0.7499), threads=1, role="drafter")
@@ -264,3 +277,39 @@ def test_mark_with_window_and_ring_stores(tmp_path, monkeypatch):
                            stop_at_eos=False)
     assert gen2.run() == Generator(target, second, max_new_tokens=24, stop_at_eos=False).run()
     assert gen2.stats.prompt_reused == 30 and gen2.stats.prompt_prefilled == len(second) - 30
+
+
+MULTI_LINE = [("for i in range(3):\x1b\r    print(i)\r", "for i in range(3):\n    print(i)"),  # Esc Enter
+              ("import os\\\ros.getcwd()\r", "import os\nos.getcwd()"),  # a line ending in a backslash
+              ("\x1b[200~x = 1\ny = 2\x1b[201~\r", "x = 1\ny = 2")]  # a bracketed paste
+
+
+def test_chat_takes_multi_line_messages(pair):
+    """Alt+Enter (Esc Enter), a line ending in a backslash and a bracketed paste each keep one message over several
+    lines: three messages are three turns, each reply equal to a fresh generation of the conversation with the
+    newlines in it. Piped input: a line ending in a backslash continues the message."""
+    t_dir, d_dir = pair
+    p = _spawn(["chat", "--target", str(t_dir), "--drafter", str(d_dir), "--max-new-tokens", "8", "--threads", "1"])
+    p.expect("> ")
+    target = load(t_dir, threads=1)
+    messages = []
+    for turn, (keys, message) in enumerate(MULTI_LINE, 1):
+        p.send(keys)
+        p.expect(TURN)
+        messages.append({"role": "user", "content": message})
+        want = _fresh(target, messages, 8)
+        n, tokens, _, prefilled, reused, _ = p.match.groups()
+        assert int(n) == turn and int(tokens) == len(want.tokens)
+        assert int(prefilled) + int(reused) == len(want.prompt)  # the message as one, with its newlines
+        assert final_text(want).replace("\n", "\r\n") in p.before
+        messages.append({"role": "assistant", "content": final_text(want)})
+        p.expect("> ")
+    p.sendline("/exit")
+    p.expect(pexpect.EOF)
+
+    piped = subprocess.run([SNAPSPEC, "chat", "--target", str(t_dir), "--max-new-tokens", "8", "--threads", "1"],
+                           input="import os\\\nos.getcwd()\n", capture_output=True, text=True, timeout=120)
+    turns = TURN.findall(piped.stderr)
+    assert piped.returncode == 0 and len(turns) == 1, piped.stderr
+    want = _fresh(target, [{"role": "user", "content": "import os\nos.getcwd()"}], 8)
+    assert int(turns[0][3]) == len(want.prompt) and final_text(want) in piped.stdout

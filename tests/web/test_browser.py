@@ -61,12 +61,14 @@ def _rollbacks(report) -> dict:
 
 
 def _expected_modes(tiny_export, target, drafter) -> set[str]:
-    recurrent = {"qwen3_5_text", "qwen3_next", "lfm2"}
+    recurrent = {"qwen3_5_text", "qwen3_next", "lfm2", "mamba", "falcon_mamba", "jamba"}
     return {f"target:{'replay' if target in recurrent else 'truncate'}",
             f"drafter:{'ring' if drafter in recurrent else 'truncate'}", "checkpoint"}
 
 
-@pytest.mark.parametrize("target,drafter", PAIRS)
+# Mamba1 (the selective scan as LinearAttention with a per-key decay; Jamba's rescaled MoE, attention, experts) with a
+# Mamba1 ring drafter.
+@pytest.mark.parametrize("target,drafter", PAIRS + [("jamba", "falcon_mamba")])
 def test_browser_wasm(browser_ready, tiny_export, target, drafter):
     """Logits of three prompts (target and drafter) == onnxruntime CPU, greedy tokens == Python's, speculative ==
     plain for k = 1..4 and through checkpoints, every rollback mode counted, rollback exact at every j, self-spec
@@ -196,3 +198,56 @@ def test_install_is_idempotent_and_needs_npm(vendor, tmp_path, monkeypatch, caps
     with pytest.raises(SnapspecError, match="needs npm"):
         web.install(tmp_path / "fresh")
     assert not Path(tmp_path / "fresh" / "node_modules").exists()
+
+
+@pytest.fixture(scope="module")
+def mtp_export(tiny_model, tmp_path_factory):
+    """A tiny Qwen3.5 export with an MTP head that echoes the target (tests/runtime/test_mtp.py's echo_head), on a
+    model that repeats tokens: its drafts are accepted in part, so rounds accept none, some or all of k."""
+    import importlib.util
+    import shutil
+
+    from snapspec.export import export
+
+    path = Path(__file__).parents[1] / "runtime" / "test_mtp.py"
+    spec = importlib.util.spec_from_file_location("mtp_tests", path)
+    mtp_tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mtp_tests)
+    root = tmp_path_factory.mktemp("web-mtp")
+    hf = mtp_tests.echo_head(Path(shutil.copytree(tiny_model("qwen3_5_text", mtp=True, initializer_range=0.05),
+                                                  root / "hf")))
+    export(hf, root / "out", log=lambda *a: None)
+    return root / "out"
+
+
+def test_browser_wasm_mtp(browser_ready, mtp_export):
+    """`--drafter mtp`: the page drafts with the target's own MTP head (web/mtp.js). Greedy speculation == plain for
+    k = 1..8 and through checkpoints, sampled (top-k 1) too; every run drafts and accepts exactly what Python's
+    MtpDrafter does; the head rolls back by truncation."""
+    report = browser_check.check(mtp_export, "mtp", "wasm")
+    failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if not c["passed"]]
+    assert report["passed"] and not failed, failed
+    assert set(_rollbacks(report)) == {"target:replay", "drafter:truncate", "checkpoint"}
+    mtp = next(c for c in report["checks"] if c["name"].startswith("MTP head drafts"))
+    assert "k = 1..8" in next(c["name"] for c in report["checks"] if c["name"].startswith("greedy speculative"))
+    assert 0.1 < float(mtp["detail"].split("acceptance ")[-1]) < 1.0, mtp["detail"]
+
+
+def test_server_mtp(tiny_export, mtp_export, vendor):
+    """--drafter mtp: the page is told to draft with the head, and gets mtp.onnx with the target's data file; a
+    target without a head is a one-line error naming it, before anything else is checked."""
+    with web.PageServer(mtp_export, "mtp", web_dir=vendor) as server:
+        config = json.loads(_get(server.url + "config.json")[1])
+        assert config["draft"] == "mtp" and set(config["models"]) == {"target"}
+        assert config["models"]["target"]["external"]["mtp.onnx"] == ["model.onnx.data"]
+        assert _get(server.url + "models/target/mtp.onnx")[0] == 200
+    with pytest.raises(SnapspecError, match="has no MTP head: export a checkpoint with mtp"):
+        web.PageServer(tiny_export("qwen3"), "mtp", web_dir=vendor / "missing")
+
+
+@pytest.mark.parametrize("target,drafter", [("kimi_linear", "bailing_hybrid")])
+def test_browser_wasm_kda(browser_ready, tiny_export, target, drafter):
+    """KDA (LinearAttention with a per-key-channel decay) and MLA's latent KV (one buffer fed as key and value) run
+    in onnxruntime-web's wasm backend: the same contract, with replay, ring and checkpoint rollback counted."""
+    report = _check(tiny_export, target, drafter, "wasm")
+    assert set(_rollbacks(report)) == {"target:replay", "drafter:ring", "checkpoint"}

@@ -19,13 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from snapspec import SnapspecError
-
 from snapspec.runtime.contract import PROMPTS, Check, rel_err
+
+from .options import MTP, web_drafter_arg
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/lib/chromium/chromium", "/usr/bin/chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--enable-unsafe-webgpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
-# Logits relative to their scale, browser vs onnxruntime CPU. Measured (README, "In the browser"): fp32 wasm and
+# Logits relative to their scale, browser vs onnxruntime CPU. Measured (docs/browser.md): fp32 wasm and
 # SwiftShader WebGPU agree to ~1e-6 on the tiny models; int4 matmuls accumulate in another order (~1e-5).
 TOL = {"float32": 1e-4, "float16": 3e-2}
 INSTALL = {
@@ -78,18 +79,21 @@ def _exact_law(target: dict, v: int) -> np.ndarray:
 
 def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: bool = False,
                prompts=PROMPTS) -> tuple[dict, dict]:
-    """What the page runs (spec) and what its results are compared with (reference), from the Python runtime."""
-    from snapspec.runtime import Context, Generator
+    """What the page runs (spec) and what its results are compared with (reference), from the Python runtime.
+    drafter: the loaded drafter model, "mtp" (the page drafts with the target's MTP head), or None."""
+    from snapspec.runtime import Generator, open_context
     from snapspec.runtime.sampling import SamplingParams, probs
 
     ids = [target.encode(p) for p in prompts]
-    logits = {role: [Context(m, len(x) + 1).forward(x).logits for x in ids]
-              for role, m in (("target", target), ("drafter", drafter)) if m is not None}
+    logits = {role: [open_context(m, len(x) + 1, side=role).forward(x).logits for x in ids]
+              for role, m in (("target", target), ("drafter", drafter)) if m is not None and m != MTP}
     plain = [Generator(target, x, max_new_tokens=new_tokens, stop_at_eos=False).run() for x in ids]
     # Every k on every prompt; with spread (SwiftShader, where a forward costs ~0.1 s), each k on one prompt.
     plan = [[k, "auto"] for k in ks] + [[min(3, max(ks)), "checkpoint"]]
     runs = [[k, rb, i % len(ids)] for i, (k, rb) in enumerate(plan)] if spread else \
         [[k, rb, p] for k, rb in plan for p in range(len(ids))]
+    # The sampled path (the drafts' q rows, the rejection rule) on one prompt: top-k 1 makes its output the greedy one.
+    runs.append([min(3, max(ks)), "auto", 0, {"temperature": 1.0, "topK": 1, "seed": 5}])
     roll = (ids[0] + [int(t) for t in np.random.default_rng(1).integers(0, target.vocab_size, window + 12)])
     n_prompt = min(10, len(ids[0]))
     roll = roll[: n_prompt + window + 2]
@@ -99,6 +103,7 @@ def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: boo
                   {"row": rows[1], "params": {"temperature": 1.3, "topK": 7}},
                   {"row": rows[2], "params": {"temperature": 1.0, "topP": 0.8}},
                   {"row": rows[0], "params": {"temperature": 0.9, "topK": 12, "topP": 0.6}}]
+    ref: dict = {}
     laws = []
     for k in (1, 3):
         t, d = _law_tables(5, k + 1, 10 + k), _law_tables(5, k + 1, 20 + k)
@@ -108,11 +113,23 @@ def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: boo
     spec = {"prompts": list(prompts), "decode": plain, "newTokens": new_tokens, "rollbackJs": js,
             "runs": runs if drafter is not None else [], "window": window, "rollbackTokens": roll,
             "rollbackPrompt": n_prompt, "probs": prob_cases, "law": laws}
-    ref = {"ids": ids, "logits": logits, "plain": plain, "decoded": [target.decode(p) for p in plain],
+    if drafter == MTP:  # the Python MtpDrafter's drafts, run for run: what the page's head must draft and accept
+        ref["mtp"] = [_python_mtp(target, ids[run[2]], run[0], run[1], new_tokens) if len(run) == 3 else None
+                      for run in runs]
+    ref.update({"ids": ids, "logits": logits, "plain": plain, "decoded": [target.decode(p) for p in plain],
            "probs": [probs(np.asarray(c["row"]), SamplingParams(c["params"]["temperature"], c["params"].get("topK", 0),
                                                                 c["params"].get("topP", 1.0))) for c in prob_cases],
-           "laws": [_exact_law(law["target"], 5) for law in laws]}
+           "laws": [_exact_law(law["target"], 5) for law in laws]})
     return spec, ref
+
+
+def _python_mtp(target, ids, k: int, rollback: str, new_tokens: int) -> dict:
+    """Greedy MTP speculation in the Python runtime (drafters/mtp.py): the tokens drafted and accepted, rounds."""
+    from snapspec.runtime import Generator
+    g = Generator(target, ids, drafter=MTP, draft_max=k, rollback=rollback, max_new_tokens=new_tokens,
+                  stop_at_eos=False)
+    g.run()
+    return {"drafted": g.stats.drafted, "accepted": g.stats.accepted, "rounds": g.stats.rounds}
 
 
 def _counters_add_up(s: dict) -> str:
@@ -132,8 +149,9 @@ def _counters_add_up(s: dict) -> str:
 
 
 def judge(result: dict, ref: dict, spec: dict, dtypes: dict[str, str]) -> list[Check]:
-    """Checks from the page's results (result) against the oracle (ref); dtypes: export dtype per role."""
-    has_drafter = "drafter" in dtypes
+    """Checks from the page's results (result) against the oracle (ref); dtypes: export dtype per role (a drafter
+    model's too; none for the MTP head)."""
+    has_drafter = bool(spec["runs"])
     checks = []
     ids_ok = result["tokenizer"]["ids"] == ref["ids"]
     dec_ok = result["tokenizer"]["decoded"] == ref["decoded"]
@@ -168,9 +186,22 @@ def judge(result: dict, ref: dict, spec: dict, dtypes: dict[str, str]) -> list[C
                 rollbacks[mode] = rollbacks.get(mode, 0) + n
         ks = sorted({r["k"] for r in result["spec"] if r["rollback"] == "auto"})
         counted = ", ".join(f"{m} x{n}" for m, n in sorted(rollbacks.items())) or "none"
-        checks.append(Check(f"greedy speculative == greedy plain, k = {ks[0]}..{ks[-1]} and checkpoint", not bad,
+        checks.append(Check(f"greedy speculative == greedy plain, k = {ks[0]}..{ks[-1]} and checkpoint (and sampled "
+                            "with top-k 1)", not bad,
                             "; ".join(bad[:3]) or f"{len(result['spec'])} runs, {rounds} rounds, counters consistent; "
                                                   f"rollbacks {counted}", data={"rollbacks": rollbacks}))
+    if ref.get("mtp"):
+        bad, acc = [], [0, 0]
+        for run, want in zip(result["spec"], ref["mtp"]):
+            if want is None:
+                continue
+            got = {key: run["stats"][key] for key in want}
+            acc = [acc[0] + got["accepted"], acc[1] + got["drafted"]]
+            if got != want:
+                bad.append(f"k={run['k']} {run['rollback']} prompt {run['prompt']}: page {got}, Python {want}")
+        checks.append(Check("MTP head drafts == Python's MtpDrafter (drafted, accepted, rounds per run)", not bad,
+                            "; ".join(bad[:3]) or f"{sum(w is not None for w in ref['mtp'])} greedy runs equal; "
+                                                  f"acceptance {acc[0] / max(acc[1], 1):.2f}"))
     a = result["self"]["acceptance"]
     checks.append(Check("drafter == target: acceptance 1.0", a == 1.0,
                         f"acceptance {a} over {result['self']['rounds']} rounds"))
@@ -267,10 +298,12 @@ def speed_summary(runs: list[dict]) -> dict:
 
 
 def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Path | None = None,
-          web_dir: Path | None = None, chromium: str | None = None, new_tokens: int = 24, ks=(1, 2, 3, 4),
+          web_dir: Path | None = None, chromium: str | None = None, new_tokens: int = 24, ks=None,
           speed: int = 0, speed_k: int = 3, quick: bool | None = None) -> dict:
-    """Run everything; return {"checks": [...], "passed": bool, "summary": str, ...}. quick (default: on WebGPU):
-    each k on one prompt, rollback at j = 0, 1, W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
+    """Run everything; return {"checks": [...], "passed": bool, "summary": str, ...}. drafter_dir: an exported
+    drafter folder, "mtp" (the target's own MTP head drafts in the page), or None. ks: the draft lengths checked
+    (default 1..4, and 1..8 for the MTP head). quick (default: on WebGPU): each k on one prompt, rollback at j = 0, 1,
+    W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
     from snapspec.runtime import load
 
     from .web import PageServer, vendor_dirs
@@ -280,7 +313,13 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     vendor_dirs(web_dir)
     t0 = time.perf_counter()
     target = load(target_dir, threads=1)
-    drafter = load(drafter_dir, threads=1, spin=False, role="drafter") if drafter_dir else None
+    if drafter_dir == MTP:
+        from snapspec.runtime.drafters.mtp_head import check_head
+        check_head(target)
+        drafter = MTP
+    else:
+        drafter = load(drafter_dir, threads=1, spin=False, role="drafter") if drafter_dir else None
+    ks = ks or (tuple(range(1, 9)) if drafter == MTP else (1, 2, 3, 4))
     window = int(target.manifest.rollback["window"])
     spec, ref = build_spec(target, drafter, new_tokens=new_tokens, ks=ks, window=window,
                            spread=ep == "webgpu" if quick is None else quick)
@@ -288,14 +327,16 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
         page = run_page(server.url, ep, spec, chromium=browser_path, screenshot=screenshot, speed=speed,
                         speed_k=speed_k)
     result = page["result"]
-    dtypes = {role: m.manifest.data["export"]["dtype"] for role, m in (("target", target), ("drafter", drafter)) if m}
+    dtypes = {role: m.manifest.data["export"]["dtype"] for role, m in (("target", target), ("drafter", drafter))
+              if m is not None and m != MTP}
     checks = judge(result, ref, spec, dtypes)
     if page["page_errors"]:
         checks.append(Check("no uncaught errors in the page", False, "; ".join(page["page_errors"])[:300]))
     passed = all(c.passed for c in checks)
     where = f"{ep} ({page['info']['device']}), Chromium {page['chromium']}, onnxruntime-web {page['ort_web']['web']}"
     n_ok = sum(c.passed for c in checks)
-    lead = f"browser-check {'PASS' if passed else 'FAIL'} {n_ok}/{len(checks)} on {where}"
+    lead = f"browser-check {'PASS' if passed else 'FAIL'} {n_ok}/{len(checks)} on {where}" \
+        + (", drafting with the target's MTP head" if drafter == MTP else "")
     if passed:
         logits = next(c for c in checks if c.name.startswith("target logits"))
         pair = next((c for c in checks if c.name.startswith("greedy speculative")), None)
@@ -322,10 +363,12 @@ def add_parser(sub, runtime_flags):
     p = sub.add_parser("browser-check", help="check the contract inside headless Chromium on onnxruntime-web "
                                              "(wasm, or WebGPU: SwiftShader on a machine without a GPU)")
     p.add_argument("--target", type=Path, required=True, help="exported folder to check in the browser")
-    p.add_argument("--drafter", type=Path, help="exported drafter folder: also check speculation in the page")
+    p.add_argument("--drafter", type=web_drafter_arg,
+                   help="exported drafter folder, or `mtp` (the target's own MTP head, k = 1..8): also check "
+                        "speculation in the page")
     p.add_argument("--ep", choices=["wasm", "webgpu"], default="wasm", help="onnxruntime-web backend (default wasm)")
     p.add_argument("--screenshot", type=Path, help="also save a PNG of the page mid-generation here")
-    p.add_argument("--new-tokens", type=int, default=24, help="tokens per generation in the checks (default 24)")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per generation in the checks (default 24)")
     p.add_argument("--speed", type=int, default=0, metavar="N",
                    help="also time plain and speculative decoding of N tokens in the page (P S P S P S P)")
     p.add_argument("--speed-k", type=int, default=3, metavar="K", help="draft length of the timed runs (default 3)")
@@ -334,13 +377,14 @@ def add_parser(sub, runtime_flags):
                         "SwiftShader; int4 matmuls are slow on wasm too)")
     p.add_argument("--web-dir", type=Path, default=None, help="where `snapspec web --install` put onnxruntime-web")
     p.add_argument("--chromium", default=None, help="the Chromium executable (default: /usr/bin/chromium)")
-    from .options import add_json_flag
+    from .options import add_alias, add_json_flag
+    add_alias(p, "--new-tokens", "max_new_tokens", type=int)  # the old spelling
     add_json_flag(p, "the full report")
 
 
 def run(args) -> int:
     report = check(args.target, args.drafter, args.ep, screenshot=args.screenshot, web_dir=args.web_dir,
-                   chromium=args.chromium, new_tokens=args.new_tokens, speed=args.speed, speed_k=args.speed_k,
+                   chromium=args.chromium, new_tokens=args.max_new_tokens, speed=args.speed, speed_k=args.speed_k,
                    quick=args.quick)
     if args.json:
         from .options import write_json

@@ -1,9 +1,13 @@
 """`snapspec chat`: a multi-turn conversation in the terminal over one ChatSession (runtime/chat.py), whose
 contexts live across turns, so each turn prefills only its new tokens.
 
-Lines starting with / are commands (/reset, /stats, /help, /exit). Ctrl-C during a reply stops that reply at the
-next step (the text so far joins the conversation) and returns to the prompt; Ctrl-C at the prompt clears the line;
-Ctrl-D or /exit leaves. The reply goes to stdout, one stats line per turn to stderr.
+A message may span lines (docs/chat-and-serve.md): Enter sends it; Alt+Enter (or Esc then Enter) starts a new line,
+and so does a line that ends in a backslash; pasted text keeps its newlines (the terminal's bracketed paste, read by
+prompt_toolkit). When stdin is not a terminal, each line is a message, and a line ending in a backslash continues it.
+
+Messages starting with / are commands (/reset, /stats, /help, /exit). Ctrl-C during a reply stops that reply at the
+next step (the text so far joins the conversation) and returns to the prompt; Ctrl-C at the prompt clears the
+message; Ctrl-D or /exit leaves. The reply goes to stdout, one stats line per turn to stderr.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from snapspec import SnapspecError
 
 from .options import add_drafter_flags, add_generation_flags, drafter_label, generation_kwargs, interruptible
 
-HELP = "/reset forgets the conversation, /stats shows totals, /exit leaves; Ctrl-C stops a reply, Ctrl-D leaves"
+HELP = ("Enter sends, Alt+Enter or a line ending in \\ starts a new line; /reset forgets the conversation, /stats "
+        "shows totals, /exit leaves; Ctrl-C stops a reply, Ctrl-D leaves")
+PROMPT, MORE = "> ", "... "
 
 
 def add_parser(sub, runtime_flags):
@@ -25,7 +31,7 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--system", help="system message at the start of the conversation")
     p.add_argument("--no-chat-template", action="store_true",
                    help="no template: the conversation is its messages' text joined, and the model continues it")
-    add_generation_flags(p, max_new_tokens=512, context_default="the export's max_context")
+    add_generation_flags(p, context_default="the export's max_context")
     runtime_flags(p)
 
 
@@ -36,24 +42,21 @@ def run(args) -> int:
 
     target, drafter = load_models(args, args.target, args.drafter)
     session = ChatSession(target, drafter, system=args.system, raw=args.no_chat_template, context=args.context,
-                          **generation_kwargs(args))
+                          **generation_kwargs(args, target, drafter))
     _note(f"snapspec chat: {target.folder.name}" + (f" + drafter {drafter_label(drafter)}" if drafter else "")
           + f", context {session.context_length} tokens, {'no template' if args.no_chat_template else 'chat template'}"
           + f". {HELP}")
-    try:
-        import readline  # noqa: F401  (line editing and history for input())
-    except ImportError:
-        pass
+    read = _terminal_reader() if sys.stdin.isatty() and sys.stdout.isatty() else _line_reader
     while True:
         try:
-            line = input("> ")
+            message = read()
         except EOFError:
             print()
             return 0
         except KeyboardInterrupt:
             print()
             continue
-        text = line.strip()
+        text = message.strip()
         if not text:
             continue
         if text.startswith("/"):
@@ -61,9 +64,42 @@ def run(args) -> int:
                 return 0
             continue
         try:
-            _turn(session, line)
+            _turn(session, message)
         except KeyboardInterrupt:  # a second Ctrl-C before the reply started
             print()
+
+
+def _terminal_reader():
+    """A prompt_toolkit prompt: one message per call, over as many lines as it takes (module doc)."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.key_binding import KeyBindings
+
+    keys = KeyBindings()
+
+    @keys.add("enter")
+    def _send(event):
+        buffer = event.current_buffer
+        if buffer.document.text_before_cursor.endswith("\\"):  # an explicit continuation, as in a shell
+            buffer.delete_before_cursor(1)
+            buffer.insert_text("\n")
+        else:
+            buffer.validate_and_handle()
+
+    @keys.add("escape", "enter")  # Alt+Enter arrives as Esc Enter
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    session = PromptSession(multiline=True, key_bindings=keys, prompt_continuation=lambda width, n, wrap: MORE)
+    return lambda: session.prompt(PROMPT)
+
+
+def _line_reader() -> str:
+    """Standard input that is not a terminal: a message per line; a line ending in a backslash continues it."""
+    lines = [input(PROMPT)]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        lines.append(input(MORE))
+    return "\n".join(lines)
 
 
 def _command(session, text: str) -> bool:
@@ -83,10 +119,10 @@ def _command(session, text: str) -> bool:
     return False
 
 
-def _turn(session, line: str) -> None:
+def _turn(session, message: str) -> None:
     with interruptible() as stop:
         try:
-            pieces = session.reply(line)
+            pieces = session.reply(message)
         except SnapspecError as exc:
             _note(f"error: {exc}" + ("; /reset starts a new conversation" if "context" in str(exc) else ""))
             return

@@ -1,4 +1,5 @@
-"""`snapspec info`: what an exported folder holds, read from its manifest alone (no session is created)."""
+"""`snapspec info`: what an exported folder holds, read from its manifest alone (no session is created for the
+folder; an int4 export's exactness probe runs one tiny MatMulNBits graph on this CPU)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def describe(folder, ctx: int = 4096, window: int | None = None) -> dict:
     rec = sum(v["layers"] * v["bytes_per_layer"] for k, v in per_kind.items() if k in ("conv", "recurrent"))
     roles = {"inputs": {}, "outputs": {}}
     state_in = {s["name"]: s["role"] for s in m.state}
-    state_out = {s["output"]: s["role"] for s in m.state}
+    state_out = {out: s["role"] for s in m.state for out in [s["output"], *s.get("aliases", ())]}
     rb = {"rollback_data": "rollback data"} if m.rollback_data else {}
     for name in m.data["graphs"]["forward"]["inputs"]:
         roles["inputs"].setdefault(state_in.get(name, name), []).append(name)
@@ -45,7 +46,33 @@ def describe(folder, ctx: int = 4096, window: int | None = None) -> dict:
                    "target_bytes (replay: 2 slots)": kv + 2 * rec,
                    "drafter_bytes (ring: window+1 slots)": kv + (window + 1) * rec},
         "files": {k: v["bytes"] for k, v in m.data["files"].items()},
+        "int4_exactness_here": _probe_here(m.data["export"]),
+        "mtp": _head(m, ctx),
     }
+
+
+def _head(m: manifest.Manifest, ctx: int) -> dict | None:
+    """The exported MTP head (None without one): its layers, its own weight bytes, its KV bytes at ctx, and the
+    target initializers it reads instead of storing its own."""
+    head = m.data.get("mtp")
+    if not head:
+        return None
+    kv = sum(_elems(s["shape"], ctx) * _BYTES[s["dtype"]] for s in head["state"])
+    return {"graph": m.data["graphs"][head["graph"]]["file"], "layers": head["layers"], "bytes": head.get("bytes"),
+            "kv_bytes": kv, "shared": head.get("shared", []), "draft_vocab": head.get("draft_vocab"),
+            "vocab": m.data["model"]["vocab_size"]}
+
+
+def _probe_here(e: dict) -> dict | None:
+    """runtime/exactness.py's verdict on this CPU for the export's int4 block and level, and the level the runtime
+    will run (None without int4)."""
+    if e.get("quant") != "int4" or not e.get("block_size") or not e.get("int4_accuracy_level"):
+        return None
+    from snapspec.runtime import exactness
+    level = e["int4_accuracy_level"]
+    verdict = exactness.probe(e["block_size"], level)
+    runs = level if verdict.bitwise or level <= exactness.FALLBACK_LEVEL else exactness.FALLBACK_LEVEL
+    return {**verdict.as_dict(), "runs_at_level": runs, "summary": verdict.describe()}
 
 
 def _mb(n: int) -> str:
@@ -65,7 +92,8 @@ def render(info: dict) -> str:
               f"hidden {info['hidden_size']}, max context {info['max_context']}")
     e = info["export"]
     con.print(f"dtype {e['dtype']}, quant {e['quant']}" + (f" (block {e['block_size']})" if e.get("block_size") else "")
-              + f"; rollback: kv {info['rollback']['kv']}, recurrent {info['rollback']['recurrent']}, "
+              + f"; rollback: kv {info['rollback']['kv'] or 'none (no attention)'}, "
+                f"recurrent {info['rollback']['recurrent']}, "
                 f"window {info['rollback']['window']}"
               + (f" (state-window graph for CUDA, W = {info['rollback']['state_window']})"
                  if info["rollback"].get("state_window") else "")
@@ -89,5 +117,26 @@ def render(info: dict) -> str:
               f"{_mb(mem['recurrent_bytes_per_slot'])} per slot; as target (replay) "
               f"{_mb(mem['target_bytes (replay: 2 slots)'])}, as drafter (ring) "
               f"{_mb(mem['drafter_bytes (ring: window+1 slots)'])}")
+    here = info.get("int4_exactness_here")
+    if here:
+        runs = here["runs_at_level"]
+        con.print(f"int4 exactness: {here['summary']}; the runtime runs level {runs} here"
+                  + (" (float32 math, slower)" if runs != here["accuracy_level"] else ""))
+    head = info.get("mtp")
+    if head:
+        subset = (head.get("draft_vocab") or head["vocab"]) < head["vocab"]
+        shared = (f"embedding shared with the target; drafts over {head['draft_vocab']} ids" if subset else
+                  "embedding and output projection shared with the target")
+        con.print(f"MTP head: {head['graph']}, {head['layers']} layer, {_mb(head['bytes'] or 0)} of its own weights "
+                  f"({shared}), KV {_mb(head['kv_bytes'])} at ctx {info['memory']['ctx']}")
     con.print("files: " + ", ".join(f"{k} {_mb(v)}" for k, v in info["files"].items()))
+    check = info.get("integrity")
+    if check and check["ok"]:
+        n, hashed = check["files"], len(check["hashed"])
+        how = (f"all {n} files hashed" if check["check"] == "full" else
+               f"{hashed} of {n} files hashed (new or changed since the last check), the stamp vouched for the rest"
+               if hashed else f"the stamp vouched for all {n} files (--verify hashes them)")
+        con.print(f"integrity ({check['check']}): ok, {how}")
+    elif check:
+        con.print(f"integrity ({check['check']}): [bold red]DAMAGED[/]: {check['problem']}")
     return buf.getvalue().rstrip()

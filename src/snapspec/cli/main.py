@@ -11,8 +11,9 @@ from pathlib import Path
 
 from snapspec import SnapspecError, __version__
 
-from .options import (add_drafter_flags, add_generation_flags, add_json_flag, add_runtime_flags, drafter_label,
-                      generation_kwargs, interruptible, json_to_stdout, load_models, positive_int, write_json)
+from .options import (add_alias, add_drafter_flags, add_generation_flags, add_json_flag, add_runtime_flags, drafter_label,
+                      generation_kwargs, interruptible, json_to_stdout, load_models, mtp_vocab_arg, positive_int,
+                      write_json)
 
 
 class _UsageError(Exception):
@@ -41,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 (default: CPU, exact greedy speculation) or fp16 (what CUDA needs; on CPU it costs "
                         "what fp32 does); see README")
     p.add_argument("--quant", choices=["none", "int4"], default="none", help="int4: MatMulNBits weights (default none)")
-    p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=32, help="int4 block size (default 32)")
+    p.add_argument("--block-size", type=int, choices=[16, 32, 64, 128], default=None,
+                   help="int4 block size (default 16 for fp32: exact at accuracy level 4 on AVX2 and AVX-512; 32 for "
+                        "fp16)")
     p.add_argument("--int4-accuracy", type=int, choices=[1, 4], default=None,
                    help="MatMulNBits accuracy level: 4 = int8 activations (default for fp32: fastest on CPU), 1 = "
                         "float32 math (default for fp16 and for models with mixture-of-experts layers; what "
@@ -54,7 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
     p.add_argument("--max-context", type=positive_int, default=None,
                    help="positions the graph supports (default: the config's, at most 32768)")
-    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace OUT_DIR if it is an earlier snapspec export or an empty folder (anything else is "
+                        "refused and left as it is)")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave out the checkpoint's multi-token-prediction head (mtp.* of Qwen3.5 / Qwen3-Next), "
+                        "which is otherwise exported as mtp.onnx for --drafter mtp")
+    p.add_argument("--mtp-vocab", type=mtp_vocab_arg, default=None, metavar="N|all",
+                   help="token ids the MTP head scores when drafting (default: the whole vocabulary up to 32768, "
+                        "else 32768 of them); output is the same, a smaller one makes draft steps cheaper")
+    p.add_argument("--mtp-vocab-from", type=Path, nargs="+", default=None, metavar="FILE",
+                   help="text files whose token counts choose --mtp-vocab's ids (default: the lowest ids)")
 
     p = sub.add_parser("generate", help="generate text, with or without a drafter")
     p.add_argument("--target", type=Path, required=True, help="exported folder of the model that decides the text")
@@ -73,12 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="describe an exported folder")
     p.add_argument("folder", type=Path, help="exported folder")
-    p.add_argument("--ctx", type=positive_int, default=4096, help="context length for the memory estimate")
-    p.add_argument("--window", type=positive_int, default=None, help="rollback window for the memory estimate")
+    p.add_argument("--context", type=positive_int, default=4096, help="context length for the memory estimate")
+    p.add_argument("--rollback-window", type=positive_int, default=None,
+                   help="rollback window for the memory estimate (default: the export's)")
+    p.add_argument("--verify", action="store_true",
+                   help="hash every file against the manifest (default: sizes, and the files changed since the last "
+                        "full check); a damaged folder exits 1")
+    add_alias(p, "--ctx", "context", type=positive_int)  # old spellings
+    add_alias(p, "--window", "rollback_window", type=positive_int)
     add_json_flag(p, "the description")
 
-    from . import bench, browser_check, chat, conformance, demo, doctor, serve, web  # noqa: E402  (own flags)
-    for module in (bench, conformance, demo, doctor, chat, serve, web, browser_check):
+    from . import bench, browser_check, chat, conformance, demo, doctor, serve, verify, web  # noqa: E402  (own flags)
+    for module in (bench, conformance, demo, doctor, chat, serve, web, browser_check, verify):
         module.add_parser(sub, add_runtime_flags)
     return parser
 
@@ -113,7 +132,8 @@ def cmd_export(args) -> int:
     from snapspec.export import export
     export(args.hf_dir, args.out_dir, dtype=args.dtype, quant=args.quant, block_size=args.block_size,
            rollback_window=args.rollback_window, max_context=args.max_context, force=args.force,
-           embedding_dtype=args.embedding_dtype, int4_accuracy=args.int4_accuracy,
+           embedding_dtype=args.embedding_dtype, int4_accuracy=args.int4_accuracy, with_mtp=not args.no_mtp,
+           mtp_vocab=args.mtp_vocab, mtp_vocab_from=args.mtp_vocab_from,
            log=lambda m: print(m, file=sys.stderr))
     return 0
 
@@ -133,20 +153,18 @@ def read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from snapspec.runtime import Generator, final_text, stream_text
-    from snapspec.runtime.chat import chat_format, prompt_ids, stop_at_end_of_turn
+    from snapspec.runtime.prompt import FrontDoor
 
     text = read_prompt(args)
     target, drafter = load_models(args, args.target, args.drafter)
-    fmt = chat_format(target)
-    chat = args.chat or args.system is not None
-    if chat:
+    door = FrontDoor(target, plain=args.no_chat_template)
+    if args.chat or args.system is not None:
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-        ids = prompt_ids(target, messages + [{"role": "user", "content": text}], raw=args.no_chat_template, fmt=fmt)
+        prompt = door.chat(messages + [{"role": "user", "content": text}])
     else:
-        ids = fmt.encode_text(text)
-    gen = Generator(target, ids, drafter=drafter, context=args.context, **generation_kwargs(args))
-    if chat:
-        stop_at_end_of_turn(gen, fmt)
+        prompt = door.text(text)
+    gen = Generator(target, prompt.ids, drafter=drafter, context=args.context, **generation_kwargs(args, target, drafter))
+    prompt.add_stops(gen)
     quiet = json_to_stdout(args)
     with interruptible() as stop:
         for piece in stream_text(gen):
@@ -189,12 +207,25 @@ def _summary(gen, target, drafter) -> str:
 
 
 def cmd_info(args) -> int:
+    """Exit 1 when the folder is damaged (what the load check finds, or with --verify the full hash), after
+    describing what the manifest says."""
+    from snapspec.manifest import IntegrityError
+
     from .info import describe, render
-    info = describe(args.folder, args.ctx, args.window)
+    from .verify import check
+    try:
+        info = describe(args.folder, args.context, args.rollback_window)
+    except IntegrityError as exc:  # a missing file or an unreadable manifest: nothing to describe
+        print(f"snapspec: error: {exc}", file=sys.stderr)
+        return 1
+    info["integrity"] = check(args.folder, full=args.verify)
     if args.json:
         write_json(args, info)
     if not json_to_stdout(args):
         print(render(info))
+    if not info["integrity"]["ok"]:
+        print(f"snapspec: error: {info['integrity']['problem']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -208,7 +239,8 @@ def _lazy(module: str, func: str):
 COMMANDS = {"export": cmd_export, "generate": cmd_generate, "info": cmd_info,
             "bench": _lazy("bench", "run"), "conformance": _lazy("conformance", "run"), "demo": _lazy("demo", "run"),
             "doctor": _lazy("doctor", "run"), "chat": _lazy("chat", "run"), "serve": _lazy("serve", "run"),
-            "web": _lazy("web", "run"), "browser-check": _lazy("browser_check", "run")}
+            "web": _lazy("web", "run"), "browser-check": _lazy("browser_check", "run"),
+            "verify": _lazy("verify", "run")}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,8 +1,8 @@
 """The OpenAI wire format for `snapspec serve`: request bodies checked into a Job's settings, and response objects.
 
 Every parameter the server does not implement is refused by name (400), rather than silently ignored; parameters
-whose value asks for nothing (n = 1, a zero penalty, logprobs false, response_format text) are accepted. Extensions,
-as llama-server and vLLM spell them: top_k, ignore_eos, chat_template_kwargs.
+whose value asks for nothing (n = 1, a zero penalty, logprobs false) are accepted. Extensions, as llama-server and
+vLLM spell them: top_k, ignore_eos, chat_template_kwargs. Tools, tool_choice and response_format: openai_tools.py.
 """
 
 from __future__ import annotations
@@ -12,23 +12,29 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from . import openai_tools
+from .api_error import ApiError  # noqa: F401  (raised here, and re-exported: callers catch api.ApiError)
+
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
            "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "ignore_eos"}
-CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "chat_template_kwargs"}
+CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "chat_template_kwargs",
+                       "tools", "tool_choice", "parallel_tool_calls"}  # these three, response_format: openai_tools
 COMPLETION_KEYS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 # (parameter, values that ask for nothing): accepted, anything else refused by name
 _NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},),
             "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,)}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+ROLES = ("system", "user", "assistant", "tool")
 
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+@dataclass
+class MaxTokens:
+    """The new tokens a request asked for (or the server's default), the number it gets, and why it got fewer."""
+
+    asked: int
+    used: int
+    why: str | None = None
 
 
 @dataclass
@@ -48,6 +54,10 @@ class Settings:
     include_usage: bool = False
     ignore_eos: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    tools: list[dict] = field(default_factory=list)  # the function objects of `tools` (openai_tools.py)
+    tool_choice: str = "none"  # none, auto, required, or a function's name
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None  # the JSON schema a reply follows (json_object: {"type": "object"})
 
 
 def parse(body, kind: str, model_ids: list[str]) -> Settings:
@@ -62,10 +72,6 @@ def parse(body, kind: str, model_ids: list[str]) -> Settings:
         if value is not None and not any(value == v and type(value) is type(v) for v in neutral):
             raise ApiError(400, f"unsupported value for {name}: {value!r} (this server implements {name} = "
                                 f"{neutral[0]!r} only)", name, "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "unsupported response_format: only {\"type\": \"text\"}", "response_format",
-                       "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str):
         raise ApiError(400, "model is required: a string naming the model (GET /v1/models lists them)", "model")
@@ -76,11 +82,17 @@ def parse(body, kind: str, model_ids: list[str]) -> Settings:
     if kind == "chat":
         s.messages = _messages(body.get("messages"))
         s.template_kwargs = _object(body, "chat_template_kwargs")
+        openai_tools.check(body, s)
     else:
         s.prompt = _prompt(body.get("prompt"))
     s.max_tokens = _number(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None
                            else "max_tokens", int, 1, None)
+    from snapspec.runtime.sampling import MIN_TEMPERATURE
+
     s.temperature = _number(body, "temperature", float, 0.0, 2.0)
+    if s.temperature and s.temperature < MIN_TEMPERATURE:  # its scaled logits would overflow
+        raise ApiError(400, f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, 2], got {s.temperature:g}",
+                       "temperature")
     s.top_p = _number(body, "top_p", float, 0.0, 1.0)
     if s.top_p == 0.0:
         raise ApiError(400, "top_p must be in (0, 1]", "top_p")
@@ -104,14 +116,27 @@ def _messages(value) -> list:
     for i, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}] must be an object with a string role", "messages")
+        if m["role"] not in ROLES:
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m['role']!r}",
+                           "messages")
         content = m.get("content")
+        if m["role"] == "assistant" and m.get("tool_calls") and content is None:
+            content = ""  # a turn that only called tools
+        if m["role"] == "assistant" and m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list", "messages")
+        if content is None:
+            raise ApiError(400, f"messages[{i}].content is {'missing' if 'content' not in m else 'null'}: give a "
+                                "string or a list of text parts", "messages")
         if isinstance(content, list):  # content parts: text only
-            kinds = {p.get("type") if isinstance(p, dict) else None for p in content}
+            kinds = {p.get("type") if isinstance(p, dict) and isinstance(p.get("type"), str) else repr(
+                p.get("type") if isinstance(p, dict) else p)[:40] for p in content}  # a type may be any JSON
             if kinds - {"text"}:
                 raise ApiError(400, f"messages[{i}].content: only text parts are supported, got "
-                                    f"{', '.join(sorted(map(str, kinds - {'text'})))}", "messages")
+                                    f"{', '.join(sorted(kinds - {'text'}))}", "messages")
+            if not all(isinstance(p.get("text", ""), str) for p in content):
+                raise ApiError(400, f"messages[{i}].content: a text part's text must be a string", "messages")
             content = "".join(p.get("text", "") for p in content)
-        elif content is not None and not isinstance(content, str):
+        elif not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
         out.append({**m, "content": content})
     return out
@@ -181,8 +206,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def snapspec_field(gen) -> dict:
-    """The speculation counters of one generation (an extension beside `usage`)."""
+def snapspec_field(job) -> dict:
+    """The speculation counters of one generation, and a max_tokens that was capped (an extension beside
+    `usage`)."""
+    gen = job.gen
     s = gen.stats
     out = {"acceptance": s.acceptance, "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
            "rollbacks": dict(s.rollbacks), "prompt_prefilled": s.prompt_prefilled, "prompt_reused": s.prompt_reused,
@@ -190,6 +217,9 @@ def snapspec_field(gen) -> dict:
            "stop_reason": gen.stop_reason}
     if s.lookups:  # n-gram drafting: steps whose lookup found a draft (the others were plain steps)
         out.update(lookups=s.lookups, lookup_hits=s.lookup_hits)
+    cap = job.max_tokens
+    if cap.why:
+        out["max_tokens_capped"] = {"requested": cap.asked, "allowed": cap.used, "reason": cap.why}
     return out
 
 
@@ -197,26 +227,29 @@ def completion(job, text: str) -> dict:
     gen = job.gen
     finish = FINISH.get(gen.stop_reason, "stop")
     if job.settings.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+        message, finish = openai_tools.message(job, text, finish)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return {"id": job.id, "object": "chat.completion" if job.settings.kind == "chat" else "text_completion",
             "created": job.created, "model": job.model, "choices": [choice],
-            "usage": usage(len(job.ids), len(gen.tokens)), "snapspec": snapspec_field(gen)}
+            "usage": usage(len(job.ids), len(gen.tokens)), "snapspec": snapspec_field(job)}
 
 
-def chunk(job, text: str | None = None, *, first: bool = False, finish: str | None = None) -> dict:
+def chunk(job, text: str | None = None, *, first: bool = False, finish: str | None = None,
+          tool_calls: list[dict] | None = None) -> dict:
     chat = job.settings.kind == "chat"
     if chat:
         delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+        if tool_calls:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(tool_calls)]}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
     out = {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": job.created,
            "model": job.model, "choices": [choice]}
     if finish is not None:
-        out["snapspec"] = snapspec_field(job.gen)
+        out["snapspec"] = snapspec_field(job)
     return out
 
 
@@ -224,8 +257,17 @@ def usage_chunk(job) -> dict:
     chat = job.settings.kind == "chat"
     return {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": job.created,
             "model": job.model, "choices": [], "usage": usage(len(job.ids), len(job.gen.tokens)),
-            "snapspec": snapspec_field(job.gen)}
+            "snapspec": snapspec_field(job)}
 
 
 def now() -> int:
     return int(time.time())
+
+
+def last_chunks(job) -> list[dict]:
+    """The chunks that end a streamed chat reply: the text held back (no call after all), the calls, the finish."""
+    rest, calls = job.stream.finish(job.text)
+    out = [chunk(job, rest)] if rest else []
+    if calls:
+        out.append(chunk(job, tool_calls=calls))
+    return out + [chunk(job, finish="tool_calls" if calls else FINISH.get(job.gen.stop_reason, "stop"))]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 from contextlib import contextmanager
@@ -13,11 +14,30 @@ from pathlib import Path
 
 from snapspec import SnapspecError
 
+ROLLBACK = ("auto", "replay", "window", "checkpoint")  # runtime/rollback.py's, without importing the runtime here
+log = logging.getLogger("snapspec")
+
+# The one default for new tokens in generate, chat and serve (docs/chat-and-serve.md): a reply of a few paragraphs,
+# and never more than fits the context, which ends every generation.
+MAX_NEW_TOKENS = 512
 # A model under this many parameters runs on one thread by default: its step is a few hundred tiny kernels, and
-# the thread pool's hand-offs cost more than they share out (README, "Threads").
+# the thread pool's hand-offs cost more than they share out (docs/cli.md, "Threads").
 SMALL_MODEL_PARAMS = 20_000_000
 _BYTES_PER_PARAM = {("float32", "none"): 4.0, ("float16", "none"): 2.0, ("float32", "int4"): 0.6,
                     ("float16", "int4"): 0.6}
+
+
+def mtp_vocab_arg(value: str) -> int | str:
+    """--mtp-vocab: a count of at least 2, or all / auto."""
+    if value in ("all", "auto"):
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or 'all', got {value!r}") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"the draft vocabulary needs at least 2 tokens, got {n}")
+    return n
 
 
 def positive_int(value: str) -> int:
@@ -31,7 +51,43 @@ def positive_int(value: str) -> int:
 
 
 def draft_max(value: str):
-    return "auto" if value == "auto" else positive_int(value)
+    """--draft-max: a draft length (an integer) or auto."""
+    if value == "auto":
+        return value
+    try:
+        return positive_int(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a draft length (an integer >= 1) or auto, got {value!r}") \
+            from None
+
+
+def draft_limit(models: dict) -> tuple[int, str] | None:
+    """(the longest draft bounded rollback can undo, which model sets it) over loaded Models by role, counting those
+    with recurrent state: the export's rollback window W (the state-window graph keeps W states, so it undoes
+    W - 1; rollback.undo_depth). None when no model limits it (attention-only models roll back any length)."""
+    from snapspec.runtime.rollback import undo_depth
+    limits = [(undo_depth(m), f"the {role} ({m.folder.name})") for role, m in models.items()]
+    limits = [(d, who) for d, who in limits if d is not None]
+    return min(limits) if limits else None
+
+
+def fit_draft_max(value, models: dict, rollback: str = "auto"):
+    """--draft-max as typed, or capped (with a warning naming the typed value and why) at the longest draft that
+    bounded rollback can undo: longer rounds would each take the checkpoint path. --rollback checkpoint takes that
+    path on every round anyway, so nothing is capped there. models: {"target": Model, "drafter": Model}."""
+    limit = draft_limit(models)
+    if value == "auto" or rollback == "checkpoint" or limit is None or int(value) <= limit[0]:
+        return value
+    logging.getLogger("snapspec").warning(
+        f"--draft-max {value}: {limit[1]} rolls back at most {limit[0]} tokens without a checkpoint (its export's "
+        f"--rollback-window), so each round drafts at most {limit[0]} (re-export with --rollback-window {value}, or "
+        f"add --rollback checkpoint to draft {value} on the slow path)")
+    return limit[0]
+
+
+def add_alias(p: argparse.ArgumentParser, old: str, dest: str, **kwargs) -> None:
+    """An old spelling of a flag, kept working and left out of --help (the new spelling is the one shown)."""
+    p.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
 
 def add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -40,23 +96,27 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="intra-op threads for the target (default: 1 for a model under 20 M parameters, else "
                         "onnxruntime's choice, one per physical core; 0 asks for onnxruntime's choice)")
-    p.add_argument("--recurrent-rollback", choices=["auto", "replay", "window"], default="auto",
-                   help="how the target rolls back recurrent state: window (CUDA; picks one of the last W states "
-                        "of the state-window graph) or replay; auto = window on CUDA when the export has that "
-                        "graph, else replay")
+    if "--rollback" not in p._option_string_actions:  # bench has its own (it also takes "both")
+        p.add_argument("--rollback", choices=ROLLBACK, default="auto",
+                       help="how state rolls back: auto (bounded: replay for the target, or the state-window graph "
+                            "on CUDA when the export has it; ring slots for a drafter), replay or window (force the "
+                            "target's), checkpoint (copy and restore the state every round: the slow baseline)")
+    p.add_argument("--recurrent-rollback", choices=["auto", "replay", "window"], default=None,
+                   help=argparse.SUPPRESS)  # the old spelling of --rollback auto|replay|window
     p.add_argument("--cuda-graph", type=positive_int, default=0, metavar="N",
                    help="CUDA: replay forwards of up to N tokens from CUDA graphs captured on first use (1: decode "
                         "steps; 2: a drafter's steps too; 9: verify forwards of k <= 8 too; default 0: off)")
     p.add_argument("--drafter-threads", type=positive_int, default=None,
                    help="intra-op threads for the drafter (default: --threads if given, else as for the target: 1 "
-                        "for a small drafter)")
+                        "for a small drafter); for --drafter mtp, the head's (default: the target's)")
 
 
-def add_generation_flags(p: argparse.ArgumentParser, max_new_tokens: int = 128,
+def add_generation_flags(p: argparse.ArgumentParser,
                          context_default: str = "prompt + max-new-tokens + rollback window") -> None:
     """Flags of commands that generate text: length, drafting, sampling, stops, context."""
-    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens,
-                   help=f"most tokens to generate (default {max_new_tokens})")
+    p.add_argument("--max-new-tokens", type=positive_int, default=MAX_NEW_TOKENS,
+                   help=f"most tokens to generate (default {MAX_NEW_TOKENS}, as in every command that generates; "
+                        "never more than fit the context)")
     p.add_argument("--draft-max", type=draft_max, default=4,
                    help="draft length k per speculative round, or auto (the cost model picks; default 4)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -65,20 +125,34 @@ def add_generation_flags(p: argparse.ArgumentParser, max_new_tokens: int = 128,
     p.add_argument("--seed", type=positive_int, default=None, help="seed for sampling (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    p.add_argument("--rollback", choices=["auto", "checkpoint"], default="auto",
-                   help="auto: bounded rollback; checkpoint: copy and restore state every round (the slow baseline)")
     p.add_argument("--context", type=positive_int, default=None,
                    help=f"context length to allocate, in tokens (default: {context_default})")
     p.add_argument("--prefill-chunk", type=positive_int, default=None,
                    help="prompt tokens per prefill forward (default 512; bounds prefill memory)")
 
 
-def generation_kwargs(args) -> dict:
-    """Generator arguments from add_generation_flags' flags."""
-    from snapspec.runtime import SamplingParams
-    return {"max_new_tokens": args.max_new_tokens, "draft_max": args.draft_max, "rollback": args.rollback,
+def generation_kwargs(args, target=None, drafter=None) -> dict:
+    """Generator arguments from add_generation_flags' flags; given the loaded target and drafter, --draft-max
+    fitted to what they can roll back (fit_draft_max)."""
+    from snapspec.runtime import Model, SamplingParams
+    draft = args.draft_max
+    if drafter is not None:
+        models = {role: m for role, m in (("target", target), ("drafter", drafter)) if isinstance(m, Model)}
+        draft = fit_draft_max(draft, models, rollback(args))
+    return {"max_new_tokens": args.max_new_tokens, "draft_max": draft, "rollback": rollback(args),
             "sampling": SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
             "stop_strings": args.stop, "stop_at_eos": not args.ignore_eos, "prefill_chunk": args.prefill_chunk}
+
+
+def rollback(args) -> str:
+    """--rollback, with the old --recurrent-rollback spelling mapped onto it (and a note that it is deprecated)."""
+    old = getattr(args, "recurrent_rollback", None)
+    if old is not None:
+        log.warning("--recurrent-rollback is deprecated: use --rollback %s", old)
+        if getattr(args, "rollback", "auto") not in ("auto", old):
+            raise SnapspecError(f"--recurrent-rollback {old} contradicts --rollback {args.rollback}")
+        args.rollback, args.recurrent_rollback = old, None
+    return getattr(args, "rollback", "auto")
 
 
 def add_json_flag(p: argparse.ArgumentParser, what: str = "the result") -> None:
@@ -137,21 +211,31 @@ def default_threads(folder) -> int | None:
 
 
 NGRAM = "ngram"
+MTP = "mtp"
+KEYWORDS = (NGRAM, MTP)  # --drafter values that name no folder
 
 
 def drafter_arg(value: str):
-    """--drafter: an exported folder, or the word `ngram` (prompt lookup, no drafter model). A folder named ngram is
-    still reachable as ./ngram (kept as typed: Path("./ngram") would print as "ngram")."""
-    return NGRAM if value == NGRAM else Path(value)
+    """--drafter: an exported folder, the word `ngram` (prompt lookup, no drafter model) or `mtp` (the target's own
+    MTP head). A folder named ngram or mtp is still reachable as ./ngram, ./mtp (kept as typed: Path("./ngram")
+    would print as "ngram")."""
+    return value if value in KEYWORDS else Path(value)
+
+
+def web_drafter_arg(value: str):
+    """--drafter of the web page and browser-check: an exported drafter folder, or `mtp` (the target's own MTP head,
+    run in the page: web/mtp.js); a folder named mtp is ./mtp."""
+    return value if value == MTP else Path(value)
 
 
 def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, repeat: bool = False) -> None:
     """--drafter (an exported folder of a small model with the target's vocabulary, or `ngram`; repeatable where
     several are compared) and the n-gram sizes."""
-    from snapspec.runtime.ngram import DEFAULT_MAX, DEFAULT_MIN
+    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN
     p.add_argument("--drafter", type=drafter_arg, required=required, action="append" if repeat else "store",
-                   help="exported folder of a small model with the target's vocabulary, or `ngram`: drafts copied "
-                        "from earlier in the sequence, no drafter model (a folder named ngram: ./ngram)"
+                   help="exported folder of a small model with the target's vocabulary; `ngram`: drafts copied "
+                        "from earlier in the sequence, no drafter model; `mtp`: the target's own MTP head (an export "
+                        "of a checkpoint with mtp.* weights; a folder named ngram or mtp: ./ngram, ./mtp)"
                         + ("; repeat to compare several in one run" if repeat else ""))
     p.add_argument("--ngram-min", type=positive_int, default=None,
                    help=f"--drafter ngram: shortest suffix looked up, in tokens (default {DEFAULT_MIN})")
@@ -160,25 +244,29 @@ def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, rep
 
 
 def drafter_label(drafter) -> str:
-    """A drafter's name in reports: its folder, or ngram with its sizes."""
-    from snapspec.runtime.ngram import NgramDrafter
+    """A drafter's name in reports: its folder, ngram with its sizes, or mtp."""
+    from snapspec.runtime.drafters import MtpDrafter, NgramDrafter
     if isinstance(drafter, NgramDrafter):
         return f"ngram {drafter.index.n_min}-{drafter.index.n_max}"
+    if isinstance(drafter, MtpDrafter):
+        return MTP
     return drafter.folder.name
 
 
 def load_models(args, target_dir, drafter_dir=None):
-    """(target, drafter or None) on the requested provider: the drafter is a Model, or an NgramDrafter for
-    `--drafter ngram`. A drafter that fails to load is an error."""
+    """(target, drafter or None) on the requested provider: the drafter is a Model, an NgramDrafter for
+    `--drafter ngram`, or an MtpDrafter for `--drafter mtp`. A drafter that fails to load is an error."""
     target, drafters = load_drafters(args, target_dir, [] if drafter_dir is None else [drafter_dir])
     return target, (drafters[0] if drafters else None)
 
 
 def load_drafters(args, target_dir, drafter_dirs):
     """(target, [drafter, ...]) for subcommands that compare several drafters (bench). Thread counts not given are
-    chosen per model (default_threads) and recorded in args.threads_used."""
+    chosen per model (default_threads) and recorded in args.threads_used: an int per model, or None where
+    onnxruntime picks (the --json `threads` field; JSON readers get one type, never a word in place of a number)."""
     from snapspec.runtime import load
-    from snapspec.runtime.ngram import DEFAULT_MAX, DEFAULT_MIN, NgramDrafter, check_range
+    from snapspec.runtime.drafters import MtpDrafter
+    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, NgramDrafter, check_range
 
     n_min, n_max = getattr(args, "ngram_min", None), getattr(args, "ngram_max", None)
     if (n_min is not None or n_max is not None) and NGRAM not in drafter_dirs:
@@ -191,10 +279,20 @@ def load_drafters(args, target_dir, drafter_dirs):
         check_range(n_min, n_max)  # before loading anything
     t_threads = args.threads if args.threads is not None else default_threads(target_dir)
     target = load(target_dir, args.ep, allow_fallback=args.allow_fallback, threads=t_threads,
-                  recurrent=getattr(args, "recurrent_rollback", "auto"), cuda_graph=getattr(args, "cuda_graph", 0))
-    args.threads_used = {"target": t_threads or "onnxruntime default"}
-    return target, [NgramDrafter(target.vocab_size, n_min, n_max) if d == NGRAM else _load_drafter(args, d)
+                  rollback=_load_rollback(args), cuda_graph=getattr(args, "cuda_graph", 0))
+    args.threads_used = {"target": t_threads or None}  # 0 or None: onnxruntime chooses
+    # The head runs between the target's forwards, like a drafter model: --drafter-threads sizes its pool when given
+    # (benchmarks/mtp_head_threads.py measures both; docs/mtp.md#draft-vocabulary).
+    h_threads = getattr(args, "drafter_threads", None)
+    return target, [NgramDrafter(target.vocab_size, n_min, n_max) if d == NGRAM
+                    else MtpDrafter(target, threads=h_threads) if d == MTP else _load_drafter(args, d)
                     for d in drafter_dirs]
+
+
+def _load_rollback(args) -> str:
+    """What load() acts on: a forced replay or window graph; checkpoint and bench's "both" are per-round choices."""
+    value = rollback(args)
+    return value if value in ("replay", "window") else "auto"
 
 
 def _load_drafter(args, drafter_dir):
@@ -207,7 +305,7 @@ def _load_drafter(args, drafter_dir):
                        role="drafter", cuda_graph=getattr(args, "cuda_graph", 0))
     except SnapspecError as exc:
         raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
-    args.threads_used["drafter"] = d_threads or "onnxruntime default"
+    args.threads_used["drafter"] = d_threads or None
     return drafter
 
 

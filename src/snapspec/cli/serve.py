@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import sys
 import threading
 import time
@@ -26,8 +25,11 @@ from pathlib import Path
 
 from snapspec import SnapspecError
 
+from snapspec.serve import lifecycle
+
 from . import openai_api as api
-from .options import add_drafter_flags, add_generation_flags, drafter_label, generation_kwargs
+from . import openai_tools
+from .options import add_drafter_flags, add_generation_flags, drafter_label, generation_kwargs, positive_int
 
 SCHEDULING = "one request at a time per model, first come first served, from a queue"
 _DONE = object()
@@ -43,18 +45,22 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--no-chat-template", action="store_true",
                    help="chat requests join their messages' text instead of rendering the chat template")
     # the defaults for requests that leave a setting out
-    add_generation_flags(p, max_new_tokens=512, context_default="the export's max_context")
+    add_generation_flags(p, context_default="the export's max_context")
+    lifecycle.add_flags(p, positive_int)  # --api-key, --max-queue, --max-tokens-cap, --max-body-bytes, --drain-timeout
     runtime_flags(p)
 
 
 class Job:
     """One request on its way through the queue. The worker thread reports through `events` (streaming)."""
 
-    def __init__(self, settings: api.Settings, ids: list[int], base: int, model: str,
+    def __init__(self, settings: api.Settings, prompt, max_tokens: api.MaxTokens, model: str,
                  loop: asyncio.AbstractEventLoop):
-        self.settings, self.ids, self.base, self.model, self.loop = settings, ids, base, model, loop
+        self.settings, self.prompt, self.max_tokens, self.model, self.loop = settings, prompt, max_tokens, model, loop
+        self.ids = prompt.ids
         self.id, self.created = api.new_id(settings.kind), api.now()
         self.cancelled = False  # set by the event loop when the client is gone; read by the worker between steps
+        self.shutdown = False  # set with cancelled when the server stops it (lifecycle.Drain)
+        self.constraint = self.tool_format = self.stream = None  # grammar, tool-call format, ToolStream: openai_tools
         self.gen = None
         self.text = ""
         self.events: asyncio.Queue = asyncio.Queue()
@@ -63,19 +69,25 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
 
-class Worker:
-    """One model's queue: a single thread runs the jobs in order over contexts it keeps between them."""
+class Worker(lifecycle.Admission):
+    """One model's queue: a single thread runs the jobs in order over contexts it keeps between them. Admission
+    (submit, the queue's limit, stopping at shutdown) is lifecycle.Admission's."""
 
-    def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict):
-        from snapspec.runtime.chat import PromptCache, chat_format, session_drafter
+    def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
+                 max_tokens_cap: int | None = None, max_queue: int | None = None):
+        from snapspec.runtime.chat import PromptCache, session_drafter
+        from snapspec.runtime.prompt import FrontDoor
 
         drafter = session_drafter(target, drafter)  # an n-gram drafter serves every request, in queue order
-        self.target, self.drafter, self.model_id, self.raw, self.defaults = target, drafter, model_id, raw, defaults
-        self.format = chat_format(target)
-        if not raw and not self.format.has_template:
-            self.format.render([{"role": "user", "content": ""}])  # the one-line error naming --no-chat-template
+        self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
+        self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
+        self.closing = False  # draining: submit refuses (lifecycle.Drain)
+        self.jobs: set[Job] = set()  # admitted and not yet finished
+        self.metrics = None  # serve.metrics.Metrics, set by build_app
+        self.door = FrontDoor(target, plain=raw)  # a base model: completions only, chat requests get a 400
         self.cache = PromptCache(target, drafter, context)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapspec-{model_id}")
+        self.tool_format = openai_tools.prepare(self)  # the template's tool-call format; the grammar tokenizer
         self.counts = {"waiting": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
         self.current: Job | None = None
         self._lock = threading.Lock()
@@ -84,30 +96,37 @@ class Worker:
     def context_length(self) -> int:
         return self.cache.max_len
 
-    def prompt_ids(self, s: api.Settings) -> tuple[list[int], int]:
-        """(ids, base): the prompt, and where the conversation before its generation prompt ends (chat.py)."""
-        from snapspec.runtime.chat import conversation_ids
+    def prompt(self, s: api.Settings):
+        """The request's Prompt (ids, where the conversation before its generation prompt ends, end-of-turn
+        stops), from the chat front door (src/snapspec/runtime/prompt.py)."""
+        from snapspec.runtime.prompt import NoChatTemplate
+        param = "messages" if s.kind == "chat" else "prompt"
         try:
-            if s.kind == "chat":
-                ids, base = conversation_ids(self.target, s.messages, raw=self.raw, fmt=self.format,
-                                             **s.template_kwargs)
-            else:
-                ids = self.format.encode_text(s.prompt) if isinstance(s.prompt, str) else list(s.prompt)
-                base = len(ids) - 1
-            if ids and max(ids) >= self.target.vocab_size:
-                raise api.ApiError(400, f"token id {max(ids)} is outside the vocabulary of "
-                                        f"{self.target.vocab_size}", "prompt")
+            prompt = self.door.chat(openai_tools.template_messages(s.messages), **openai_tools.template_kwargs(
+                s, self)) if s.kind == "chat" else self.door.text(s.prompt)
+        except NoChatTemplate as exc:  # a base model: /v1/completions serves it
+            raise api.ApiError(400, str(exc), "messages", "no_chat_template") from None
         except SnapspecError as exc:  # the chat template refused the messages
             raise api.ApiError(400, str(exc), "messages") from None
+        ids = prompt.ids
+        if ids and max(ids) >= self.target.vocab_size:
+            raise api.ApiError(400, f"token id {max(ids)} is outside the vocabulary of {self.target.vocab_size}",
+                               param)
         if not ids:
-            raise api.ApiError(400, "empty prompt: give at least one token of text", "prompt")
+            raise api.ApiError(400, "the messages render to no tokens" if s.kind == "chat"
+                               else "empty prompt: give at least one token of text", param)
         if len(ids) >= self.context_length:
             raise api.ApiError(400, f"the prompt is {len(ids)} tokens; this server's context is "
-                                    f"{self.context_length} (at least one new token must fit)",
-                               "messages" if s.kind == "chat" else "prompt", "context_length_exceeded")
-        return ids, base
+                                    f"{self.context_length} (at least one new token must fit)", param,
+                               "context_length_exceeded")
+        return prompt
 
-    def generator_kwargs(self, s: api.Settings) -> dict:
+    def max_tokens(self, s: api.Settings, prompt_tokens: int) -> api.MaxTokens:
+        """The request's max_tokens, checked against --max-tokens-cap and the context (lifecycle.max_tokens)."""
+        return lifecycle.max_tokens(s.max_tokens, self.defaults["max_new_tokens"], prompt_tokens, self.context_length,
+                                    self.max_tokens_cap)
+
+    def generator_kwargs(self, s: api.Settings, max_tokens: api.MaxTokens) -> dict:
         from snapspec.runtime import SamplingParams
         d = self.defaults
         base = d["sampling"]
@@ -115,19 +134,13 @@ class Worker:
                                   base.top_k if s.top_k is None else s.top_k,
                                   base.top_p if s.top_p is None else s.top_p,
                                   base.seed if s.seed is None else s.seed)
-        return {**d, "sampling": sampling, "max_new_tokens": s.max_tokens or d["max_new_tokens"],
+        return {**d, "sampling": sampling, "max_new_tokens": max_tokens.used,
                 "stop_strings": list(d["stop_strings"]) + s.stop,
                 "stop_at_eos": d["stop_at_eos"] and not s.ignore_eos}
-
-    def submit(self, job: Job) -> asyncio.Future:
-        with self._lock:
-            self.counts["waiting"] += 1
-        return job.loop.run_in_executor(self.executor, self._run, job)
 
     def _run(self, job: Job) -> None:
         """In the worker thread."""
         from snapspec.runtime import final_text, stream_text
-        from snapspec.runtime.chat import stop_at_end_of_turn
 
         with self._lock:
             self.counts["waiting"] -= 1
@@ -135,26 +148,31 @@ class Worker:
             self.current = job
         start = time.perf_counter()
         try:
-            if job.cancelled:
+            if job.cancelled:  # before it started: its client left, or the server is shutting down
                 self._count("cancelled")
-                return
-            gen = self.cache.generator(self.target, job.ids, job.base, drafter=self.drafter,
-                                       **self.generator_kwargs(job.settings))
-            if job.settings.kind == "chat" and not self.raw:
-                stop_at_end_of_turn(gen, self.format)
+                raise lifecycle.shutting_down() if job.shutdown else api.ApiError(499, "the client closed the "
+                                                                                      "request")
+            gen = self.cache.generator(self.target, job.ids, job.prompt.base, drafter=self.drafter,
+                                       constraint=job.constraint, **self.generator_kwargs(job.settings, job.max_tokens))
+            job.prompt.add_stops(gen)
             job.gen = gen
+            job.stream = openai_tools.ToolStream(job)
             for piece in stream_text(gen):
-                job.emit(piece)
+                job.stream.feed(piece)  # emits what may go out now (text before a tool call)
                 if job.cancelled:
-                    gen.stop_reason = "cancelled"
+                    gen.stop_reason = "shutdown" if job.shutdown else "cancelled"
                     break
             job.text = final_text(gen)
-            self._count("cancelled" if job.cancelled else "served")
+            self._count("cancelled" if job.cancelled else "served")  # a shutdown's stop counts as cancelled
             _log(f"{job.id} {job.settings.kind}: {len(job.ids)} prompt tokens ({gen.stats.prompt_reused} reused), "
                  f"{len(gen.tokens)} tokens, stop "
-                 f"{gen.stop_reason}{' (client disconnected)' if job.cancelled else ''}, "
+                 f"{gen.stop_reason}{self._why_stopped(job)}, "
                  f"{time.perf_counter() - start:.2f} s" + (f", acceptance {gen.stats.acceptance:.2f}"
-                                                           if gen.stats.drafted else ""))
+                                                           if gen.stats.drafted else "")
+                 + (f"; max_tokens {job.max_tokens.asked} capped at {job.max_tokens.used}: {job.max_tokens.why}"
+                    if job.max_tokens.why else ""))
+        except api.ApiError:  # refused before generating (see above)
+            raise
         except Exception as exc:  # reported to the client as JSON; the worker goes on with the next job
             self._count("failed")
             if not isinstance(exc, SnapspecError):  # a generation interrupted inside a forward: start afresh
@@ -167,13 +185,20 @@ class Worker:
                 self.current = None
             job.emit(_DONE)
 
+    @staticmethod
+    def _why_stopped(job: Job) -> str:
+        return "" if not job.cancelled else " (server shutting down)" if job.shutdown else " (client disconnected)"
+
     def _count(self, what: str) -> None:
         with self._lock:
             self.counts[what] += 1
 
-    def health(self) -> dict:
+    def health_counts(self) -> dict:
         with self._lock:
-            counts = dict(self.counts)
+            return dict(self.counts)
+
+    def health(self) -> dict:
+        counts = self.health_counts()
         return {"id": self.model_id, "context_length": self.context_length,
                 "drafter": drafter_label(self.drafter) if self.drafter else None, "queue": counts}
 
@@ -182,30 +207,44 @@ def _log(message: str) -> None:
     print(f"snapspec serve: {message}", file=sys.stderr, flush=True)
 
 
-def build_app(worker: Worker):
-    """The starlette application around one Worker."""
+def build_app(worker: Worker, *, api_key: str | None = None, max_body: int = 4 << 20):
+    """The starlette application around one Worker, behind the access layer (serve/access.py: the API key, body
+    limits, draining, request metrics)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    from snapspec import __version__
+    from snapspec.serve import metrics as metrics_module, openapi
+    from snapspec.serve.access import Access
+
+    metrics = worker.metrics = metrics_module.Metrics(worker.model_id, worker.health_counts, lambda: worker.closing)
+    schema = openapi.document(model_id=worker.model_id, context_length=worker.context_length, keyed=bool(api_key),
+                              max_tokens_cap=worker.max_tokens_cap, version=__version__)
+
     def error(exc: api.ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=getattr(exc, "headers", None))
 
     async def read_body(request) -> object:
         raw = await request.body()
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = json.loads(raw)
+            json.dumps(body, ensure_ascii=False).encode()  # text a tokenizer takes: no unpaired surrogate
+        except (ValueError, UnicodeError) as exc:
             raise api.ApiError(400, f"malformed JSON in the request body: {exc}") from None
+        return body
 
     async def complete(request, kind: str):
         try:
             settings = api.parse(await read_body(request), kind, [worker.model_id])
-            ids, base = worker.prompt_ids(settings)
+            prompt = worker.prompt(settings)
+            constraint = openai_tools.constraint(worker, settings)  # a JSON format, a forced call: a grammar
         except api.ApiError as exc:
             return error(exc)
-        job = Job(settings, ids, base, worker.model_id, asyncio.get_running_loop())
+        job = Job(settings, prompt, worker.max_tokens(settings, len(prompt.ids)), worker.model_id,
+                  asyncio.get_running_loop())
+        job.constraint, job.tool_format = constraint, worker.tool_format
         future = worker.submit(job)
         if settings.stream:
             return StreamingResponse(_events(job, future, request), media_type="text/event-stream",
@@ -233,15 +272,25 @@ def build_app(worker: Worker):
              "drafter": drafter_label(worker.drafter) if worker.drafter else None}]})
 
     async def health(request):
-        return JSONResponse({"status": "ok", "scheduling": SCHEDULING, "models": [worker.health()]})
+        return JSONResponse({"status": "draining" if worker.closing else "ok", "scheduling": SCHEDULING,
+                             "models": [worker.health()]}, status_code=503 if worker.closing else 200)
+
+    async def metrics_page(request):
+        return Response(metrics.page(), media_type=metrics_module.CONTENT_TYPE)
+
+    async def openapi_json(request):
+        return JSONResponse(schema)
 
     async def http_error(request, exc: HTTPException):
         return error(api.ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+              Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics_page, methods=["GET"]), Route("/openapi.json", openapi_json, methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error,
+                                                       api.ApiError: lambda request, exc: error(exc)})
+    return Access(app, api_key=api_key, max_body=max_body, draining=lambda: worker.closing, metrics=metrics)
 
 
 async def _events(job: Job, future: asyncio.Future, request):
@@ -268,7 +317,8 @@ async def _events(job: Job, future: asyncio.Future, request):
         except Exception as exc:
             yield sse(_as_api_error(exc).body())
             return
-        yield sse(api.chunk(job, finish=api.FINISH.get(job.gen.stop_reason, "stop")))
+        for data in api.last_chunks(job):  # text held back for a tool call, or the calls; the finish
+            yield sse(data)
         if job.settings.include_usage:
             yield sse(api.usage_chunk(job))
         yield "data: [DONE]\n\n"
@@ -291,41 +341,38 @@ def run(args) -> int:
     try:
         import uvicorn
         import starlette  # noqa: F401
+        import prometheus_client  # noqa: F401
     except ImportError:
-        raise SnapspecError("snapspec serve needs starlette and uvicorn: pip install 'snapspec[serve]'") from None
+        raise SnapspecError("snapspec serve needs starlette, uvicorn and prometheus-client: "
+                            "pip install 'snapspec[serve]'") from None
     from .options import load_models
 
     target, drafter = load_models(args, args.target, args.drafter)
-    defaults = generation_kwargs(args)
+    defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
-                    raw=args.no_chat_template, defaults=defaults)
-    sock = _listen(args.host, args.port)
+                    raw=args.no_chat_template, defaults=defaults, max_tokens_cap=args.max_tokens_cap,
+                    max_queue=args.max_queue)
+    key = lifecycle.api_key(args)
+    sock = lifecycle.listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     _log(f"serving {worker.model_id} on http://{url_host}:{port}/v1 (context {worker.context_length}"
-         + (f", drafter {drafter_label(drafter)}" if drafter else "") + f"); {SCHEDULING}; Ctrl-C stops")
-    config = uvicorn.Config(build_app(worker), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=2)
+         + (f", drafter {drafter_label(drafter)}" if drafter else "")
+         + f"); {SCHEDULING}; Ctrl-C or SIGTERM drains, a second one stops")
+    if key is None and not lifecycle.loopback(host):
+        lifecycle.warn(f"listening on {host}, beyond this machine, without an API key: anyone who reaches it can use "
+                       "it (--api-key KEY or $SNAPSPEC_API_KEY)")
+    if not worker.door.takes_messages:
+        _log(f"{target.folder.name} has no chat template: /v1/completions serves it; /v1/chat/completions answers "
+             "400 (--no-chat-template joins a chat's messages as plain text instead)")
+    config = uvicorn.Config(build_app(worker, api_key=key, max_body=args.max_body_bytes), log_level="warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                            http=lifecycle.header_deadline_protocol())
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        lifecycle.make_server(config, (worker, args.drain_timeout, _log)).run(sockets=[sock])
     finally:
         if worker.current is not None:  # shutting down: the running generation stops at its next step
             worker.current.cancelled = True
         worker.executor.shutdown(wait=True, cancel_futures=True)
         sock.close()
     return 0
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    """A bound, listening socket (port 0: a free one), so the address is known before uvicorn starts."""
-    if not 0 <= port <= 65535:
-        raise SnapspecError(f"--port must be 0..65535, got {port}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as exc:
-        raise SnapspecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock

@@ -26,6 +26,7 @@ from urllib.parse import unquote, urlsplit
 from snapspec import SnapspecError, manifest
 
 from .demo import cache_dir
+from .options import MTP, web_drafter_arg
 
 ORT_VERSION = "1.30.0"
 ORT_FILES = ("ort.webgpu.bundle.min.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
@@ -33,8 +34,8 @@ TOKENIZERS_FILES = ("tokenizers.min.mjs",)
 _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
           ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
           ".json": "application/json", ".wasm": "application/wasm", ".png": "image/png"}
-_PAGE_FILES = ("index.html", "style.css", "app.js", "vendor.js", "context.js", "generation.js", "sampling.js",
-               "checks.js")
+_PAGE_FILES = ("index.html", "style.css", "app.js", "vendor.js", "context.js", "generation.js", "drafting.js",
+               "mtp.js", "sampling.js", "checks.js")
 
 
 def page_dir() -> Path:
@@ -92,8 +93,9 @@ def install(web_dir: Path | None = None, log=print) -> Path:
 
 
 def model_entry(folder: Path, role: str) -> dict:
-    """Verify an exported folder (every checksum) and describe it for the page: its URL and, per graph file, the
-    external-data files onnxruntime-web must be handed (it cannot open paths the way native onnxruntime does)."""
+    """Check an exported folder (as every load does: sizes, and the hash of what changed since its last full check)
+    and describe it for the page: its URL and, per graph file, the external-data files onnxruntime-web must be
+    handed (it cannot open paths the way native onnxruntime does)."""
     folder = Path(folder)
     m = manifest.load(folder)
     if m.data.get("graphs", {}).get("forward") is None:
@@ -102,7 +104,7 @@ def model_entry(folder: Path, role: str) -> dict:
         raise SnapspecError(f"{folder} stores its embedding in int4 (GatherBlockQuantized), which onnxruntime-web "
                             "1.30 cannot run: re-export it with --embedding-dtype fp32 (any backend) or fp16 (wasm)")
     external = {entry["file"]: sorted(manifest.external_data_locations(folder / entry["file"]))
-                for role_, entry in m.data["graphs"].items() if role_ in ("forward", "replay")}
+                for role_, entry in m.data["graphs"].items() if role_ in ("forward", "replay", "mtp")}
     return {"name": folder.resolve().name or role, "url": f"models/{role}/", "external": external,
             "files": sorted({manifest.FILENAME, *m.data["files"]})}
 
@@ -167,11 +169,24 @@ class _Bytes:
         pass
 
 
-class PageServer:
-    """The page and its files on host:port (port 0: any free port), in a background thread until close()."""
+def check_head(folder: Path) -> None:
+    """--drafter mtp: a one-line error for a target folder without an MTP head (or without its hidden output)."""
+    from snapspec.runtime.head import NO_HEAD, has_head
+    m = manifest.load(folder)
+    if not has_head(m) or "hidden" not in m.data["graphs"]["forward"]["outputs"]:
+        raise SnapspecError(NO_HEAD.format(folder=folder))
 
-    def __init__(self, target: Path, drafter: Path | None = None, *, host: str = "127.0.0.1", port: int = 0,
+
+class PageServer:
+    """The page and its files on host:port (port 0: any free port), in a background thread until close().
+    drafter: an exported drafter folder, or "mtp": the page drafts with the target's own MTP head (web/mtp.js)."""
+
+    def __init__(self, target: Path, drafter: Path | str | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  web_dir: Path | None = None):
+        draft = "model" if drafter is not None else None
+        if drafter == MTP:
+            check_head(target)
+            drafter, draft = None, MTP
         vendor = vendor_dirs(web_dir)
         models = {"target": model_entry(target, "target")}
         if drafter is not None:
@@ -183,7 +198,7 @@ class PageServer:
             if folder is not None:
                 routes[f"models/{role}"] = (Path(folder), set(models[role]["files"]))
         config = json.dumps({"models": {role: {k: v for k, v in e.items() if k != "files"}
-                                        for role, e in models.items()}}).encode()
+                                        for role, e in models.items()}, "draft": draft}).encode()
         try:
             self.httpd = ThreadingHTTPServer((host, port), partial(_Handler, routes=routes, config=config))
         except OSError as exc:
@@ -214,7 +229,9 @@ def add_parser(sub, runtime_flags):
     p = sub.add_parser("web", help="serve a browser page that runs the exported folders in onnxruntime-web "
                                    "(WebGPU, or wasm without an adapter), with speculative decoding")
     p.add_argument("--target", type=Path, help="exported folder the page loads as the target")
-    p.add_argument("--drafter", type=Path, help="exported drafter folder (same vocabulary): speculative decoding")
+    p.add_argument("--drafter", type=web_drafter_arg,
+                   help="exported drafter folder (same vocabulary), or `mtp`: the target's own MTP head (a folder "
+                        "exported with mtp.* weights; a folder named mtp: ./mtp): speculative decoding")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--web-dir", type=Path, default=None,
@@ -230,7 +247,8 @@ def run(args) -> int:
     if args.target is None:
         raise SnapspecError("web: give --target FOLDER (an exported folder), or --install")
     server = PageServer(args.target, args.drafter, host=args.host, port=args.port, web_dir=args.web_dir)
-    print(f"snapspec web: serving {args.target}" + (f" + {args.drafter}" if args.drafter else "")
+    drafter = " + its MTP head" if args.drafter == MTP else f" + {args.drafter}" if args.drafter else ""
+    print(f"snapspec web: serving {args.target}{drafter}"
           + f" on {server.url} (Ctrl-C stops)", flush=True)
     try:
         server.httpd.serve_forever()

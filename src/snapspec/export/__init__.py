@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +22,11 @@ import onnx
 import snapspec
 from snapspec import SnapspecError, manifest
 
-from . import arch, genai_config, ring, window
+from . import arch, destination, draft_vocab, genai_config, manifest_data, mtp, ring, window
 from .blocks import Decoder
 from .checkpoint import Checkpoint
 from .external import DataFile
-from .graph import Graph, int4_accuracy_level
+from .graph import Graph, inexact_choice, int4_accuracy_level, int4_block_size
 from .weights import Weights
 
 # Copied when present. The chat template travels as published: chat_template.jinja (current transformers), a
@@ -36,17 +37,20 @@ DEFAULT_WINDOW = 8
 FP32_NOTE_BYTES = 4e9  # a float32 export above this size says what the alternatives cost
 
 
-def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int = 32,
+def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int | None = None,
            rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
-           embedding_dtype: str | None = None, int4_accuracy: int | None = None, log=print) -> manifest.Manifest:
+           embedding_dtype: str | None = None, int4_accuracy: int | None = None, with_mtp: bool = True,
+           mtp_vocab: int | str | None = None, mtp_vocab_from: list | None = None, log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
     dtype: float32 | float16 (activations and weights; recurrent state stays float32). float32 is the default
            because the CPU is the default provider: onnxruntime's CPU kernels upcast float16 weights at load (same
            memory, same speed as float32, measured) and float16 activations flip near-ties, which breaks greedy
-           speculative == greedy plain on Qwen3.5. CUDA needs float16. BENCHMARKS.md, "Export at real size".
+           speculative == greedy plain on Qwen3.5. CUDA needs float16. docs/benchmarks/export.md.
     quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the output projection is quantized even
            when tied; the embedding table as `embedding_dtype` says).
+    block_size: int4's block (default graph.int4_block_size: 16 for float32, whose level-4 kernels are then exact
+           on AVX2 and AVX-512; 32 for float16). A block 32+ asked for at level 4 is kept with a one-line warning.
     embedding_dtype: int4 | float16 | float32, how the token embedding table is stored. Default: under float32 +
            int4 (the CPU path), int4 read by GatherBlockQuantized when the hidden size is a multiple of the block
            size (a tied output projection then reads the same bytes), else float16; under float16 + int4 (the GPU
@@ -59,6 +63,16 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            for a page whose results must equal Python onnxruntime's.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
+    force: replace out_dir when it is an earlier snapspec export or an empty folder; anything else is refused and
+           left as it is (src/snapspec/export/destination.py). A symbolic link's folder is replaced, the link kept.
+    with_mtp: write the checkpoint's multi-token-prediction head (`mtp.*`, Qwen3.5 / Qwen3.5-MoE / Qwen3-Next) as
+           `mtp.onnx`, sharing the target's embedding and output projection in its data file, and give the target's
+           graphs the `hidden` output the head reads (export/mtp.py); False (--no-mtp) skips the head, and a
+           checkpoint without one exports the same either way.
+    mtp_vocab: the head's draft vocabulary, the ids its output projection scores: None / "auto" (the full
+           vocabulary up to 32,768 ids, else 32,768 of them), "all", or a count. Output is unchanged either way (the
+           target verifies every draft); a smaller one makes each draft step cheaper (export/draft_vocab.py).
+    mtp_vocab_from: text files whose token counts choose that subset (default: the lowest ids, BPE merge order).
     log: called with each line of the summary (None: silent, and no progress bar).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
     state_window (CUDA only), sharing the weights file; the runtime picks it for a target on CUDA (export/window.py).
@@ -66,98 +80,31 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     start = time.perf_counter()
     show_progress = log is not None
     log = log or (lambda *_: None)
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    dtype = {"fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
-    if dtype not in ("float32", "float16"):
-        raise SnapspecError(f"unsupported dtype {dtype!r}: use fp32 or fp16")
-    embedding_dtype = {"fp32": "float32", "fp16": "float16"}.get(embedding_dtype, embedding_dtype)
-    if embedding_dtype not in (None, "int4", "float32", "float16"):
-        raise SnapspecError(f"unsupported embedding dtype {embedding_dtype!r}: use int4, fp32 or fp16")
-    if embedding_dtype == "int4" and quant != "int4":
-        raise SnapspecError("--embedding-dtype int4 needs --quant int4")
-    if embedding_dtype is None and quant == "int4" and dtype == "float16":
-        embedding_dtype = "float16"  # the GPU path: see the docstring
-    if quant not in ("none", "int4"):
-        raise SnapspecError(f"unsupported quantization {quant!r}: use none or int4")
-    if block_size not in (16, 32, 64, 128, 256):
-        raise SnapspecError(f"unsupported block size {block_size}: use 32, 64 or 128")
-    if rollback_window < 1:
-        raise SnapspecError("rollback window must be at least 1")
-    if out_dir.parent.is_dir():
-        _clean_leftovers(out_dir, log)
-    if out_dir.exists() and not force:
-        raise SnapspecError(f"{out_dir} already exists; pass --force to replace it")
+    hf_dir = Path(hf_dir)
+    opts = _check_options(dtype, quant, embedding_dtype, block_size, rollback_window, int4_accuracy)
+    shown, out_dir = Path(out_dir), destination.prepare(Path(out_dir), force, log)
     if not hf_dir.is_dir():
         raise SnapspecError(f"checkpoint folder not found: {hf_dir}")
     if not (hf_dir / "tokenizer.json").exists():
         raise SnapspecError(f"{hf_dir} has no tokenizer.json; snapspec needs the fast tokenizer file")
 
     ckpt = Checkpoint(hf_dir)
-    module = arch.for_config(ckpt.config)
-    try:
-        spec = module.spec(ckpt.config)
-    except KeyError as exc:
-        raise SnapspecError(f"{hf_dir / 'config.json'} lacks {exc.args[0]!r}, which {ckpt.config.get('model_type')} "
-                            "needs") from None
+    module, spec, weights = _open(ckpt, hf_dir)
     ctx = int(max_context or min(spec.max_positions, 32768))
-    weights = Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
-    if int4_accuracy not in (None, 1, 4):
-        raise SnapspecError(f"unsupported int4 accuracy level {int4_accuracy}: use 1 (float32 math) or 4 (int8 "
-                            "activations)")
     log(f"exporting {ckpt.config.get('model_type')} ({spec.layers} layers, hidden {spec.hidden}) "
-        f"as {dtype}, quant {quant}")
-    params = sum(int(np.prod(ckpt.shape(n), dtype=np.int64)) for n in weights.to_read())
-    if dtype == "float32" and quant == "none" and params * 4 > FP32_NOTE_BYTES:
-        log(f"note: float32 weights take about {params * 4 / 1e9:.0f} GB on disk and in memory (twice a bf16 "
-            "checkpoint); --quant int4 is smaller and faster on CPU, CUDA needs --dtype fp16")
+        f"as {opts.dtype}, quant {quant}")
+    _note_size(ckpt, weights, opts.dtype, quant, log)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-{os.getpid()}-", dir=out_dir.parent))
+    tmp = destination.temporary(out_dir)
     data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
+    head_wanted = mtp.wanted(module, ckpt, with_mtp)
+    draft_ids = _draft_ids(ckpt, spec, head_wanted, mtp_vocab, mtp_vocab_from, log)
     try:
-        dec = Decoder(Graph("forward", dtype, quant, block_size, data=data[0], accuracy_level=int4_accuracy),
-                      Graph("replay", dtype, "none", data=data[1]), embedding_dtype=embedding_dtype)
-        with _progress(weights, data, show_progress):
-            module.build(dec, weights, spec, ctx)
-        dec.finish(rows=rollback_window)
-        weights.check_covered()
-        level = _experts_accuracy_level(dec.fwd, dtype, int4_accuracy, log)
-        for d in data:
-            d.close()
-        digests = {d.path.name: d.sha256() for d in data}
-        _save(dec.fwd.to_model(), tmp / "model.onnx")
-        has_replay = bool(dec.rollback)
-        if has_replay:
-            _save(dec.replay.to_model(), tmp / "replay.onnx")
-            ring.write(tmp / "model.onnx")
-        elif data[1].path.exists():
-            data[1].path.unlink()
-        state_window = rollback_window if has_replay and rollback_window <= window.MAX_WINDOW else None
-        if state_window:
-            window.write(tmp / "model.onnx", {n for s in dec.state if s.role in ("conv", "recurrent")
-                                              for n in (s.name, s.output)}, state_window)
-        elif has_replay:
-            log(f"no state-window graph (CUDA rollback falls back to replay): --rollback-window {rollback_window} "
-                f"exceeds onnxruntime's state_window limit of {window.MAX_WINDOW}")
-        copied = [name for name in TOKENIZER_FILES if (hf_dir / name).exists()]
-        for name in copied:
-            shutil.copyfile(hf_dir / name, tmp / name)
-        shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
-        skipped = weights.skipped()
-        info = _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                              state_window, copied, skipped, level)
-        # Derived from the manifest's data, written first so that the manifest checksums it too.
-        genai_config.write(tmp, info, num_attention_heads=getattr(spec, "heads", None))
-        result = manifest.write(tmp, info,
-                                {name: digest for name, digest in digests.items() if digest and (tmp / name).exists()})
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        if out_dir.exists():  # --force: moved aside, not deleted, until the new folder is in place
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        dec, head, level = _build(opts, module, spec, weights, ckpt, ctx, data, head_wanted, draft_ids, show_progress,
+                                   log)
+        result, skipped = _write_folder(tmp, opts, ckpt, module, spec, weights, ctx, dec, head, data, level, log)
+        _seal(tmp, result)
+        destination.swap(tmp, out_dir, shown)
     except BaseException:
         for d in data:
             d.abandon()
@@ -168,64 +115,212 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     if skipped:
         log("skipped (not part of the text decoder): " + ", ".join(
             f"{prefix}* {n['tensors']} tensors ({_size(n['bytes'])})" for prefix, n in skipped.items()))
+    if head is not None:
+        shared = ("embedding and output projection shared with the target" if head.draft_vocab >= spec.vocab else
+                  f"embedding shared with the target, its own projection rows for {head.draft_vocab} draft ids")
+        log(f"MTP head: mtp.onnx, 1 layer, {_size(head.bytes)} of its own weights ({shared})")
     log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s ({_size(data[0].size)} of weights), "
         f"peak memory {_peak_mb():.0f} MB")
     return manifest.Manifest(out_dir, result.data)
 
 
+@dataclass(frozen=True)
+class _Options:
+    """export()'s graph options, checked and spelled out (fp16 -> float16)."""
+
+    dtype: str
+    quant: str
+    block_size: int
+    embedding_dtype: str | None
+    int4_accuracy: int | None
+    rollback_window: int
+    int4_asked: bool = False  # --block-size or --int4-accuracy given: a choice not exact on some CPU is warned about
+
+
+def _check_options(dtype: str, quant: str, embedding_dtype: str | None, block_size: int | None, rollback_window: int,
+                   int4_accuracy: int | None) -> _Options:
+    """Refuse an option export() cannot honour; the embedding dtype the GPU path defaults to."""
+    dtype = {"fp32": "float32", "fp16": "float16"}.get(dtype, dtype)
+    if dtype not in ("float32", "float16"):
+        raise SnapspecError(f"unsupported dtype {dtype!r}: use fp32 or fp16")
+    embedding_dtype = {"fp32": "float32", "fp16": "float16"}.get(embedding_dtype, embedding_dtype)
+    if embedding_dtype not in (None, "int4", "float32", "float16"):
+        raise SnapspecError(f"unsupported embedding dtype {embedding_dtype!r}: use int4, fp32 or fp16")
+    if embedding_dtype == "int4" and quant != "int4":
+        raise SnapspecError("--embedding-dtype int4 needs --quant int4")
+    if embedding_dtype is None and quant == "int4" and dtype == "float16":
+        embedding_dtype = "float16"  # the GPU path: see export()'s docstring
+    if quant not in ("none", "int4"):
+        raise SnapspecError(f"unsupported quantization {quant!r}: use none or int4")
+    asked = block_size is not None or int4_accuracy is not None
+    block_size = int4_block_size(dtype) if block_size is None else block_size
+    if block_size not in (16, 32, 64, 128, 256):
+        raise SnapspecError(f"unsupported block size {block_size}: use 16, 32, 64 or 128")
+    if rollback_window < 1:
+        raise SnapspecError("rollback window must be at least 1")
+    if int4_accuracy not in (None, 1, 4):
+        raise SnapspecError(f"unsupported int4 accuracy level {int4_accuracy}: use 1 (float32 math) or 4 (int8 "
+                            "activations)")
+    return _Options(dtype, quant, block_size, embedding_dtype, int4_accuracy, rollback_window, asked)
+
+
+def _open(ckpt: Checkpoint, hf_dir: Path):
+    """The checkpoint's architecture module, its spec, and the weights it reads: (module, spec, weights)."""
+    module = arch.for_config(ckpt.config)
+    try:
+        spec = module.spec(ckpt.config)
+    except KeyError as exc:
+        raise SnapspecError(f"{hf_dir / 'config.json'} lacks {exc.args[0]!r}, which {ckpt.config.get('model_type')} "
+                            "needs") from None
+    return module, spec, Weights(ckpt, spec.prefix, ignore=module.ignored(spec))
+
+
+def _draft_ids(ckpt: Checkpoint, spec, head_wanted: bool, asked, files, log):
+    """The MTP head's draft vocabulary (sorted ids), None for the full one; a draft-vocabulary option without a head
+    to apply it to is refused."""
+    if not head_wanted:
+        if asked not in (None, "auto") or files:
+            raise SnapspecError(f"--mtp-vocab / --mtp-vocab-from: {ckpt.folder} is exported without an MTP head "
+                                "(--no-mtp, or no mtp.* weights)")
+        return None
+    n = draft_vocab.size_for(asked, spec.vocab)
+    if n >= spec.vocab:
+        return None
+    gen_path = ckpt.folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    counts = (draft_vocab.count_tokens(ckpt.folder / "tokenizer.json", [Path(f) for f in files], spec.vocab)
+              if files else None)
+    ids = draft_vocab.choose(spec.vocab, n, draft_vocab.special_ids(ckpt.config, gen), counts)
+    log(f"MTP draft vocabulary: {len(ids)} of {spec.vocab} ids ("
+        + (f"most frequent over {len(files)} file(s))" if files else "lowest ids, BPE merge order)"))
+    return ids
+
+
+def _note_size(ckpt: Checkpoint, weights: Weights, dtype: str, quant: str, log) -> None:
+    """A large float32 export says what the alternatives cost."""
+    params = sum(int(np.prod(ckpt.shape(n), dtype=np.int64)) for n in weights.to_read())
+    if dtype == "float32" and quant == "none" and params * 4 > FP32_NOTE_BYTES:
+        log(f"note: float32 weights take about {params * 4 / 1e9:.0f} GB on disk and in memory (twice a bf16 "
+            "checkpoint); --quant int4 is smaller and faster on CPU, CUDA needs --dtype fp16")
+
+
+def _build(opts: _Options, module, spec, weights: Weights, ckpt: Checkpoint, ctx: int, data: list[DataFile],
+           head_wanted: bool, draft_ids, progress: bool, log):
+    """The target's graphs and, when wanted, the MTP head's, their weights streamed into `data`'s files. Returns
+    (the Decoder, the head or None, the int4 accuracy level the graphs ended with)."""
+    decoder = mtp.HiddenDecoder if head_wanted else Decoder
+    dec = decoder(Graph("forward", opts.dtype, opts.quant, opts.block_size, data=data[0],
+                        accuracy_level=opts.int4_accuracy),
+                  Graph("replay", opts.dtype, "none", data=data[1]), embedding_dtype=opts.embedding_dtype)
+    with _progress(weights, data, progress):
+        module.build(dec, weights, spec, ctx)
+    dec.finish(rows=opts.rollback_window)
+    head = mtp.build(module, dec, weights, spec, ckpt, ctx, draft_ids) if head_wanted else None
+    weights.check_covered()
+    level = _experts_accuracy_level(dec.fwd, opts.dtype, opts.int4_accuracy, log)
+    if opts.quant == "int4" and opts.int4_asked:
+        _warn_inexact(opts.block_size, level)
+    if head is not None:
+        head.dec.fwd.set_accuracy_level(level)
+    return dec, head, level
+
+
+def _write_folder(tmp: Path, opts: _Options, ckpt: Checkpoint, module, spec, weights: Weights, ctx: int,
+                  dec: Decoder, head, data: list[DataFile], level: int, log):
+    """Everything but the stamp into tmp: the graphs, the tokenizer files, genai_config.json, the manifest (which
+    checksums the rest). Returns (the written manifest, the skipped-tensor report)."""
+    for d in data:
+        d.close()
+    digests = {d.path.name: d.sha256() for d in data}
+    has_replay, state_window = _write_graphs(tmp, dec, data, opts.rollback_window, log)
+    if head is not None:
+        _save(head.dec.fwd.to_model(), tmp / mtp.FILE)
+    copied = _copy_tokenizer(ckpt.folder, tmp)
+    skipped = weights.skipped()
+    info = manifest_data.build(ckpt, module, spec, dec, opts.dtype, opts.quant, opts.block_size,
+                               opts.rollback_window, ctx, has_replay, state_window, copied, skipped, level)
+    if head is not None:
+        info["graphs"][mtp.GRAPH] = head.graph_entry()
+        info["mtp"] = head.manifest(spec.hidden)
+    # Derived from the manifest's data, written first so that the manifest checksums it too.
+    genai_config.write(tmp, info, num_attention_heads=getattr(spec, "heads", None))
+    result = manifest.write(tmp, info,
+                            {name: digest for name, digest in digests.items() if digest and (tmp / name).exists()})
+    return result, skipped
+
+
+def _seal(tmp: Path, result: manifest.Manifest) -> None:
+    """The finished folder readable by all, then stamped: the digests were taken from the bytes as written, the full
+    check of this export. Stamped after the chmod (which moves ctime), so the first load trusts the files by their
+    stamp instead of hashing them again."""
+    destination.set_modes(tmp)
+    stamped = manifest.write_stamp(result)
+    if stamped is not None and stamped.parent == tmp:
+        os.chmod(stamped, 0o644)
+
+
+def _write_graphs(tmp: Path, dec: Decoder, data: list[DataFile], rollback_window: int, log):
+    """The forward graph, and for a model with recurrent state the replay graph, the drafter's ring variant and,
+    when W allows, the state-window variant. Returns (has_replay, state_window: W or None)."""
+    _save(dec.fwd.to_model(), tmp / "model.onnx")
+    has_replay = bool(dec.rollback)
+    if has_replay:
+        _save(dec.replay.to_model(), tmp / "replay.onnx")
+        ring.write(tmp / "model.onnx")
+    elif data[1].path.exists():
+        data[1].path.unlink()
+    state_window = rollback_window if has_replay and rollback_window <= window.MAX_WINDOW else None
+    # onnxruntime's state_window covers LinearAttention and CausalConvWithState only: not the window of a
+    # sliding-window attention layer or an RG-LRU state, so those families have no state-window graph
+    if any(s.role in ("swa_key", "swa_value", "rglru") for s in dec.state):
+        state_window = None
+    elif state_window:
+        window.write(tmp / "model.onnx", {n for s in dec.state if s.role in ("conv", "recurrent")
+                                          for n in (s.name, s.output)}, state_window)
+    elif has_replay:
+        log(f"no state-window graph (CUDA rollback falls back to replay): --rollback-window {rollback_window} "
+            f"exceeds onnxruntime's state_window limit of {window.MAX_WINDOW}")
+    return has_replay, state_window
+
+
+def _copy_tokenizer(hf_dir: Path, tmp: Path) -> list[str]:
+    """The tokenizer files present (TOKENIZER_FILES) and config.json; returns the tokenizer files copied."""
+    copied = [name for name in TOKENIZER_FILES if (hf_dir / name).exists()]
+    for name in copied:
+        shutil.copyfile(hf_dir / name, tmp / name)
+    shutil.copyfile(hf_dir / "config.json", tmp / "config.json")
+    return copied
+
+
+def _warn_inexact(block_size: int, level: int) -> None:
+    """One warning line for an int4 choice that is not exact on some CPU (graph.inexact_choice)."""
+    why = inexact_choice(block_size, level)
+    if why:
+        logging.getLogger("snapspec").warning(why)
+
+
 def _experts_accuracy_level(g: Graph, dtype: str, asked: int | None, log) -> int:
     """The accuracy level of the forward's MatMulNBits nodes once it is built. A graph with mixture-of-experts nodes
     takes int4_accuracy_level's level for experts unless --int4-accuracy asked for one, which is kept (onnxruntime
-    runs either); a log line says which."""
-    if g.quant != "int4" or not g.has_op("MoE", "QMoE"):
+    runs either); a log line says which. Sliding-window attention likewise: onnxruntime's CPU GroupQueryAttention
+    sums a windowed row's probabilities times values from another offset in a k-token call than in a one-token
+    call (the keys before the window are zeros it still multiplies), so those rows differ by rounding (~1e-6)."""
+    windowed = any(n.op_type == "GroupQueryAttention" and any(a.name == "local_window_size" for a in n.attribute)
+                   for n in g.nodes)
+    kind = "mixture-of-experts" if g.has_op("MoE", "QMoE") else "sliding-window attention" if windowed else None
+    if g.quant != "int4" or kind is None:
         return g.accuracy_level
     if asked is None:
         level = int4_accuracy_level(dtype, experts=True)
         if level != g.accuracy_level:
             g.set_accuracy_level(level)
-            log(f"int4 accuracy level {level} (float32 activations) for a model with mixture-of-experts layers: "
+            log(f"int4 accuracy level {level} (float32 activations) for a model with {kind} layers: "
                 "int8 activations widen the gap between k-token and one-token forwards; --int4-accuracy 4 asks for "
                 "them anyway")
     elif asked == 4:
-        log("int4 accuracy level 4 as asked: with mixture-of-experts layers, k-token forwards differ more from "
+        log(f"int4 accuracy level 4 as asked: with {kind} layers, k-token forwards differ more from "
             "one-token ones than at level 1, so speculative greedy output may differ from plain greedy")
     return g.accuracy_level
-
-
-def _clean_leftovers(out_dir: Path, log) -> None:
-    """What a killed export to out_dir left beside it: its temporary folder (removed), or, killed between the two
-    renames of --force, the previous export moved aside (put back when out_dir is missing, else removed). Only
-    folders whose exporting process is gone are touched."""
-    for p in out_dir.parent.glob(f".{out_dir.name}.partial-*"):
-        if not _alive(_pid_in(p.name, ".partial-")):
-            shutil.rmtree(p, ignore_errors=True)
-    for p in out_dir.parent.glob(f".{out_dir.name}.old-*"):
-        if _alive(_pid_in(p.name, ".old-")):
-            continue
-        if out_dir.exists():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            os.replace(p, out_dir)
-            if log:
-                log(f"restored {out_dir} from {p.name}, left by an interrupted --force export")
-
-
-def _pid_in(name: str, marker: str) -> int | None:
-    digits = name.split(marker, 1)[1].split("-", 1)[0]
-    return int(digits) if digits.isdigit() else None
-
-
-def _alive(pid: int | None) -> bool:
-    """Whether process pid runs (unknown counts as alive: its folder is left alone)."""
-    if pid is None or sys.platform == "win32":  # os.kill(pid, 0) would terminate the process on Windows
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager
@@ -280,90 +375,6 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
-
-
-def _manifest_data(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ctx, has_replay,
-                   state_window, copied, skipped, level) -> dict:
-    cfg = ckpt.config
-    gen = {}
-    gen_path = ckpt.folder / "generation_config.json"
-    if gen_path.exists():
-        gen = json.loads(gen_path.read_text(encoding="utf-8"))
-    eos = gen.get("eos_token_id", cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id")))
-    eos_ids = sorted({int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None})
-    recurrent = any(s.role in ("conv", "recurrent") for s in dec.state)
-    # logits_to_keep: the forward takes `logits_to_keep` (default 0: every row) and also returns `next_tokens`.
-    # spare_kv_row: attention writes one junk key/value row past the sequence when the KV buffer has room for it
-    # (blocks.Decoder._spare_row); a buffer of context + 1 rows keeps k-token forwards bitwise equal to one-token
-    # forwards up to the last position.
-    heads = {"logits_to_keep": True, "spare_kv_row": any(s.role.startswith("kv") for s in dec.state)}
-    graphs = {"forward": {"file": "model.onnx", "inputs": [i.name for i in dec.fwd.inputs],
-                          "outputs": [o.name for o in dec.fwd.outputs], **heads}}
-    if has_replay:
-        graphs["replay"] = {"file": "replay.onnx", "inputs": [i.name for i in dec.replay.inputs],
-                            "outputs": [o.name for o in dec.replay.outputs]}
-        graphs["forward_ring"] = {"file": ring.FILE, "inputs": graphs["forward"]["inputs"],
-                                  "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],
-                                  **heads}
-    if state_window:
-        graphs["forward_window"] = {"file": window.FILE, "inputs": graphs["forward"]["inputs"],
-                                    "outputs": [o for o in graphs["forward"]["outputs"] if o != "rollback_data"],
-                                    **heads}
-    return {
-        "model": {"model_type": cfg.get("model_type"), "architectures": cfg.get("architectures", []),
-                  "layers": spec.layers, "layer_kinds": spec.layer_kinds, "hidden_size": spec.hidden,
-                  "vocab_size": spec.vocab, "max_context": ctx,
-                  "mtp_weights_present": bool(getattr(module, "has_mtp", lambda c: False)(ckpt))},
-        "tokens": {"eos_token_ids": eos_ids, "bos_token_id": gen.get("bos_token_id", cfg.get("bos_token_id")),
-                   "pad_token_id": gen.get("pad_token_id", cfg.get("pad_token_id"))},
-        "graphs": graphs,
-        **dec.table(),
-        # state_window: the forward_window graph's W (its conv and recurrent state gain a leading axis of W)
-        "rollback": {"kv": "truncate", "recurrent": "replay" if recurrent else None, "window": rollback_window,
-                     "state_window": state_window},
-        "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True, "block_size": block_size if quant == "int4" else None,
-                   "int4_accuracy_level": level if quant == "int4" else None,
-                   "embedding_dtype": dec.embedding_storage,
-                   "int4_note": f"embedding table stored as {dec.embedding_storage}"
-                   + (" (GatherBlockQuantized; a tied output projection reads the same bytes)"
-                      if dec.embedding_storage == "int4" else "") + "; output projection int4"
-                   if quant == "int4" else None},
-        "versions": {"snapspec": snapspec.__version__, "onnx": onnx.__version__,
-                     "python": sys.version.split()[0]},
-        # tokenizer.vocab_size may be below model.vocab_size (a table padded past the tokenizer): such ids decode
-        # to nothing.
-        "tokenizer": {"files": copied, "chat_template": _chat_template(ckpt.folder),
-                      "vocab_size": _tokenizer_vocab(ckpt.folder / "tokenizer.json")},
-        # skipped: tensors left out on purpose (a vision tower, MTP weights), per name prefix
-        "source": {"folder_name": ckpt.folder.name, "config_sha256": manifest.sha256_file(ckpt.folder / "config.json"),
-                   "tensors": len(ckpt.names()), "skipped": skipped},
-    }
-
-
-def _chat_template(folder: Path) -> str | None:
-    """The file that carries the chat template, or None."""
-    if (folder / "chat_template.jinja").exists():
-        return "chat_template.jinja"
-    if (folder / "chat_template.json").exists():
-        return "chat_template.json"
-    config = folder / "tokenizer_config.json"
-    if config.exists():
-        try:
-            if json.loads(config.read_text(encoding="utf-8")).get("chat_template"):
-                return "tokenizer_config.json"
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            raise SnapspecError(f"corrupt JSON in {config}") from None
-    return None
-
-
-def _tokenizer_vocab(path: Path) -> int:
-    """Ids the tokenizer knows: its largest id + 1."""
-    from tokenizers import Tokenizer
-
-    try:
-        return max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values()) + 1
-    except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
-        raise SnapspecError(f"cannot read {path}: {exc}") from None
 
 
 def _peak_mb() -> float:

@@ -34,7 +34,7 @@ GENAI_VERSION = "0.18.0"  # the onnxruntime-genai release this layout was checke
 # snapspec model_type -> onnxruntime-genai model.type
 MODEL_TYPES = {"qwen3_5_text": "qwen3_5_text", "qwen3_5": "qwen3_5_text", "lfm2": "lfm2", "qwen3": "qwen3",
                "qwen3_next": "decoder", "granitemoehybrid": "decoder", "nemotron_h": "decoder",
-               "falcon_h1": "decoder"}
+               "falcon_h1": "decoder", "mamba": "decoder", "falcon_mamba": "decoder", "jamba": "decoder"}
 
 # state role -> (inputs key, outputs key) in genai_config.json's decoder block
 _TEMPLATES = {"kv_key": ("past_key_names", "present_key_names"),

@@ -32,34 +32,60 @@ INLINE_BYTES = 1024  # smaller initializers stay in the graph proto (as onnx's s
 
 def int4_accuracy_level(dtype: str, experts: bool = False) -> int:
     """The default MatMulNBits accuracy level (4: the CPU kernel quantizes activations to int8 per block; 1: float32
-    math), chosen by measurement (BENCHMARKS.md, "int4 on CPU"): 4 for float32 exports, the CPU path (2-4x faster,
-    and its k-row results equal its one-row results bit for bit at block sizes 16 and 32, which greedy speculation
-    needs); 1 for float16 exports, which run on GPU providers whose level-4 paths are not verified here; 1 for a
-    graph with mixture-of-experts nodes (`experts`: MoE / QMoE), where an expert's rows round differently in a k-row
-    call than in a one-row call (each expert sees another number of rows) and int8 activations downstream amplify
-    that (tiny test models, a 9-token forward against nine one-token forwards: logits up to 4e-2 apart at level 4
-    for Granite-4.0-H and Qwen3.5-MoE, under 6e-5 at level 1)."""
+    math), chosen by measurement (docs/benchmarks/cpu.md, "int4 speculation on pair-a"): 4 for float32 exports,
+    the CPU path (2-4x faster; with int4_block_size's block 16 its k-row results equal its one-row results bit for
+    bit on AVX2 and AVX-512, which greedy speculation needs, and runtime/exactness.py checks that on the machine
+    that loads it); 1 for float16 exports, which run on GPU providers whose level-4 paths are not verified here; 1
+    for a graph with mixture-of-experts nodes (`experts`: MoE / QMoE), where an expert's rows round differently in
+    a k-row call than in a one-row call (each expert sees another number of rows) and int8 activations downstream
+    amplify that (tiny test models, a 9-token forward against nine one-token forwards: logits up to 4e-2 apart at
+    level 4 for Granite-4.0-H and Qwen3.5-MoE, under 6e-5 at level 1)."""
     return 4 if dtype == "float32" and not experts else 1
 
 
+def int4_block_size(dtype: str) -> int:
+    """The default int4 block size: 16 for float32 exports (level 4 on CPU), 32 for float16 (GPU providers).
+
+    At level 4, onnxruntime's AVX2 kernels give a one-row call with a block of 32 or more its own summation order,
+    which the next layer's int8 rounding amplifies (pair-a's block-32 target failed conformance on an AMD EPYC with
+    AVX2 only, and left plain greedy output at token 10 of a prompt); block 16 takes one path for every row count
+    there and on AVX-512. On pair-a it ran plain decoding at 0.84x of block 32's speed (AVX2 machine) and about
+    twice as fast as block 32 at level 1, where speculation stops paying (docs/benchmarks/cpu.md, "int4
+    exactness")."""
+    return 16 if dtype == "float32" else 32
+
+
+def inexact_choice(block_size: int, level: int) -> str | None:
+    """Why an int4 (block, level) asked for is not exact on some CPU (a one-line reason), or None: level 4 with
+    blocks of 32 or more (AVX2 at 32, every CPU above); level 1 is float32 math, which int8 rounding cannot amplify."""
+    if level != 4 or block_size < 32:
+        return None
+    where = "on CPUs with AVX2 and no AVX-512" if block_size == 32 else "on every CPU measured"
+    return (f"int4 block {block_size} at accuracy level 4 is not exact {where}: a k-token forward differs from k "
+            "one-token forwards there, so the runtime runs level 1 (float32 math, slower) on such a CPU; the "
+            "default, block 16, is exact at level 4 on AVX2 and AVX-512")
+
+
 class Graph:
-    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int = 32,
+    def __init__(self, name: str, dtype: str = "float32", quant: str = "none", block_size: int | None = None,
                  data: DataFile | None = None, accuracy_level: int | None = None):
         """data: the external-data file initializers are streamed to (its name is their location, so it must
-        lie beside the graph file). accuracy_level: MatMulNBits' (None: int4_accuracy_level(dtype))."""
+        lie beside the graph file). block_size: int4's (None: int4_block_size(dtype)). accuracy_level:
+        MatMulNBits' (None: int4_accuracy_level(dtype))."""
         self.name = name
         self.data = data
         self.accuracy_level = int4_accuracy_level(dtype) if accuracy_level is None else accuracy_level
         self.np_dtype = np.dtype(np.float16 if dtype == "float16" else np.float32)
         self.onnx_dtype = _NP_TO_ONNX[self.np_dtype]
         self.quant = quant
-        self.block_size = block_size
+        self.block_size = int4_block_size(dtype) if block_size is None else block_size
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self._scope: list[str] = []
         self._used: set[str] = set()
+        self._shared: dict[str, tuple[str, ...]] = {}  # linear(share=key): the initializers a weight was stored as
 
     # -- naming -------------------------------------------------------------------------------------------------
     @contextmanager
@@ -138,16 +164,25 @@ class Graph:
         return self.const(leaf, np.asarray(value, dtype=np.float32))
 
     # -- building blocks used by every architecture ------------------------------------------------------------
-    def linear(self, x: str, weight: np.ndarray, leaf: str, bias: np.ndarray | None = None) -> str:
-        """x @ weight.T (+ bias); weight is (out_features, in_features)."""
+    def linear(self, x: str, weight: np.ndarray, leaf: str, bias: np.ndarray | None = None,
+               share: str | None = None) -> str:
+        """x @ weight.T (+ bias); weight is (out_features, in_features). share: a key for the weight's initializers;
+        a later linear given the same key reads those instead of storing the weight again (a block several layers
+        run, as Zamba2's shared attention blocks)."""
         n, k = weight.shape
+        names = self._shared.get(share) if share else None
         with self.scope(leaf):
             if self.quantizes(k):
-                packed, scales, zeros = quantize_int4(weight, self.block_size)
-                y = self.matmul_nbits(x, self.const("weight_q4", packed), self.const("scales", scales),
-                                      self.const("zero_points", zeros), n, k)
+                if names is None:
+                    packed, scales, zeros = quantize_int4(weight, self.block_size)
+                    names = (self.const("weight_q4", packed), self.const("scales", scales),
+                             self.const("zero_points", zeros))
+                y = self.matmul_nbits(x, *names, n, k)
             else:
-                y = self.op("MatMul", [x, self.const("weight", weight.T)], "MatMul")
+                names = names or (self.const("weight", weight.T),)
+                y = self.op("MatMul", [x, names[0]], "MatMul")
+            if share:
+                self._shared[share] = names
             if bias is not None:
                 y = self.op("Add", [y, self.const("bias", bias)], "Add")
         return y

@@ -218,6 +218,26 @@ class Concatenated(Lazy):
         return Concatenated([_cast(p, dtype) for p in self.parts])
 
 
+class Taken(Lazy):
+    """x[ids] for sorted row ids: each block reads the source's runs of consecutive ids (a subset of a vocabulary's
+    rows is mostly runs)."""
+
+    def __init__(self, source, ids: np.ndarray):
+        self.source, self.ids = source, np.asarray(ids, dtype=np.int64)
+        self.shape = (len(self.ids), *source.shape[1:])
+        self.dtype = np.dtype(source.dtype)
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        ids = self.ids[start:stop]
+        cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+        parts = [rows_of(self.source, int(run[0]), int(run[-1]) + 1) for run in np.split(ids, cuts) if len(run)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    @property
+    def row_bytes(self) -> int:
+        return _row_bytes(self.source)
+
+
 def _row_bytes(x) -> int:
     if isinstance(x, Lazy):
         return x.row_bytes
@@ -250,6 +270,13 @@ def stack(parts: list):
     if not any(is_lazy(p) for p in parts):
         return np.stack(parts)
     return Stacked(list(parts))
+
+
+def take(x, ids: np.ndarray):
+    """x[ids] along the first axis (ids sorted), lazy when x is."""
+    if not is_lazy(x):
+        return np.asarray(x)[np.asarray(ids, dtype=np.int64)]
+    return Taken(x, ids)
 
 
 def combine(fn: Callable[..., np.ndarray], sources: list, tail: Sequence[int], dtype=np.float32):

@@ -11,14 +11,16 @@
 """
 
 from .chat import ChatSession, PromptCache, chat
-from .context import PREFILL_CHUNK, Context, RollbackError, Rows, default_mode
-from .drafters import Draft, Drafter, ModelDrafter
+from .context import PREFILL_CHUNK, Context, RollbackError, Rows
+from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from .generation import Generator, final_text, generate, stream_text
 from .model import Model, load
+from .pair import Pair, open_context
 from .providers import PROVIDERS
+from .rollback import ROLLBACK, stores_for
 from .sampling import SamplingParams
 from .stats import Stats
 
-__all__ = ["ChatSession", "PromptCache", "chat", "Context", "Draft", "Drafter", "Generator", "Model", "ModelDrafter", "PREFILL_CHUNK", "PROVIDERS",
-           "RollbackError", "Rows", "SamplingParams", "Stats", "final_text", "default_mode", "generate", "load",
-           "stream_text"]
+__all__ = ["ChatSession", "PromptCache", "chat", "Context", "Draft", "Drafter", "Generator", "Model", "ModelDrafter",
+           "NgramDrafter", "PREFILL_CHUNK", "PROVIDERS", "Pair", "ROLLBACK", "RollbackError", "Rows", "SamplingParams",
+           "Stats", "final_text", "generate", "load", "open_context", "stores_for", "stream_text"]

@@ -1,4 +1,5 @@
-"""Conversations: messages rendered by the model's chat template, generated over contexts that live across turns.
+"""Conversations generated over contexts that live across turns. What a conversation's prompt is (the chat
+template, or plain text) and which tokens end a reply is the chat front door's business (prompt.py).
 
 A PromptCache holds one target context and one drafter context for many generations (the turns of a ChatSession,
 the requests of `snapspec serve`). Each generation renders the whole conversation; the contexts keep what they
@@ -14,16 +15,11 @@ context keeps a mark: a copy of its recurrent state where the conversation ended
 that keeps more than rollback can, and re-prefills the last reply and what follows. Each turn's stats say how
 many prompt tokens were prefilled and how many reused.
 
-Without a chat template (raw=True) the conversation is the concatenation of its messages' contents, with BOS as the
-tokenizer adds it: the model continues the text.
-
 A drafter is a Model (the cache keeps its context beside the target's) or a drafter without a model: "ngram" (or an
 NgramDrafter with other sizes). The n-gram drafter lives as long as the session, and each generation's sequence is
 the whole rendered conversation plus the reply so far, so its lookups search every earlier turn; its index keeps
-what the next turn has in common with the last one and indexes only the rest.
-
-Generation stops at the export's EOS ids and at the tokenizer config's eos_token, which chat models set to their
-end-of-turn token (<|im_end|>) while generation_config.json may list only end-of-text.
+what the next turn has in common with the last one and indexes only the rest. "mtp" (the target's own head) lives
+as long as the session too: its KV and the target's hidden rows it has not consumed carry over to the next turn.
 """
 
 from __future__ import annotations
@@ -33,59 +29,21 @@ from typing import Iterator
 
 from snapspec import SnapspecError
 
-from .context import Context, default_mode
-from .drafters import Drafter
-from .generation import Generator, final_text, stream_text
+from .context import Context
+from .drafters import Drafter, MtpDrafter, NgramDrafter
+from .generation import Generator, final_text, generate, stream_text
 from .model import Model
-from .ngram import NgramDrafter
-from .state.checkpoint import Checkpoint
+from .pair import open_context
+from .prompt import FrontDoor, common_prefix
+from .state.saved import SavedState
 from .stats import Stats
-from .template import ChatFormat, normalize_messages
-
-
-def chat_format(model: Model) -> ChatFormat:
-    return ChatFormat.from_folder(model.folder, model.tokenizer)
-
-
-def prompt_ids(model: Model, messages, *, raw: bool = False, fmt: ChatFormat | None = None,
-               **template_kwargs) -> list[int]:
-    """The token ids a generation from `messages` starts with: the chat template with the generation prompt, or
-    (raw) the contents concatenated as plain text."""
-    return conversation_ids(model, messages, raw=raw, fmt=fmt, **template_kwargs)[0]
-
-
-def conversation_ids(model: Model, messages, *, raw: bool = False, fmt: ChatFormat | None = None,
-                     **template_kwargs) -> tuple[list[int], int]:
-    """(ids, base): the prompt ids, and how many of them the conversation has before its generation prompt (where
-    a PromptCache marks the state)."""
-    fmt = fmt or chat_format(model)
-    if raw:
-        ids = fmt.encode_text("".join(_text(m.get("content", "")) for m in normalize_messages(messages)))
-        return ids, len(ids) - 1
-    ids = fmt.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
-    done = fmt.encode_chat(messages, add_generation_prompt=False, **template_kwargs)
-    return ids, min(common_prefix(ids, done), len(ids) - 1)
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def chat(target: Model, messages, *, drafter: Model | Drafter | str | None = None, raw: bool = False,
          template_kwargs=None, **kwargs) -> Generator:
     """One reply to `messages` (a list of {role, content}), generated to the end: the Generator, as generate().
     drafter: a Model, "ngram" or a Drafter, as for Generator."""
-    fmt = chat_format(target)
-    gen = Generator(target, prompt_ids(target, messages, raw=raw, fmt=fmt, **(template_kwargs or {})),
-                    drafter=drafter, **kwargs)
-    stop_at_end_of_turn(gen, fmt)
-    gen.run()
-    return gen
+    return generate(target, messages, drafter=drafter, raw=raw, template_kwargs=template_kwargs, **kwargs)
 
 
 def session_drafter(target: Model, drafter) -> Model | Drafter | None:
@@ -95,15 +53,12 @@ def session_drafter(target: Model, drafter) -> Model | Drafter | None:
         return drafter
     if drafter == "ngram":
         return NgramDrafter(target.vocab_size)
+    if drafter == "mtp":  # one head for the session: its KV and the target's hidden rows carry across turns
+        return MtpDrafter(target)
     if isinstance(drafter, Drafter) and drafter.ctx is None:
         return drafter
-    raise SnapspecError(f"a chat's drafter must be a loaded Model, \"ngram\" or a Drafter without a model context "
-                        f"(the session keeps a drafter model's context itself), got {drafter!r}")
-
-
-def stop_at_end_of_turn(gen: Generator, fmt: ChatFormat) -> None:
-    if gen.eos:  # empty when asked to ignore EOS
-        gen.eos |= fmt.end_of_turn_ids
+    raise SnapspecError(f"a chat's drafter must be a loaded Model, \"ngram\", \"mtp\" or a Drafter without a model "
+                        f"context (the session keeps a drafter model's context itself), got {drafter!r}")
 
 
 @dataclass
@@ -143,7 +98,7 @@ class _Mark:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
-        self.copy = Checkpoint(ctx.recurrent, ctx.device, ctx.copy) if ctx.recurrent is not None else None
+        self.copy = SavedState(ctx.recurrent, ctx.device, ctx.copy) if ctx.recurrent is not None else None
         self.tokens: list[int] | None = None
 
     def save(self) -> None:
@@ -159,11 +114,7 @@ class _Mark:
         return len(t)
 
     def restore(self) -> None:
-        pos = len(self.tokens)
-        if self.copy is not None:
-            self.copy.restore(pos)
-        self.ctx.n_past = pos
-        del self.ctx.tokens[pos:]
+        self.ctx.restore_saved(self.copy, len(self.tokens))
 
 
 class PromptCache:
@@ -178,9 +129,8 @@ class PromptCache:
         model = drafter if isinstance(drafter, Model) else None
         limit = min(m.manifest.max_context for m in (target, model) if m is not None)
         ctx_len = min(int(context or limit), limit)
-        self.tctx = Context(target, ctx_len, mode=default_mode(target), window=window)
-        self.dctx = None if model is None else Context(model, ctx_len, mode=default_mode(model, "drafter"),
-                                                       window=window)
+        self.tctx = open_context(target, ctx_len, side="target", window=window)
+        self.dctx = None if model is None else open_context(model, ctx_len, side="drafter", window=window)
         self.marks = [_Mark(c) for c in (self.tctx, self.dctx) if c is not None]
         self.costs = None  # the adaptive draft length's cost model, measured once and handed to each Generator
 
@@ -252,9 +202,8 @@ class ChatSession:
         (default: the exports' max_context); generation: Generator arguments for every turn (max_new_tokens,
         sampling, draft_max, stop_strings, stop_at_eos, ...)."""
         self.target, self.drafter, self.raw = target, session_drafter(target, drafter), raw
-        self.format = chat_format(target)
-        if not raw and not self.format.has_template:
-            self.format.render([{"role": "user", "content": ""}])  # raises the one-line error naming the fix
+        self.door = FrontDoor(target, plain=raw)
+        self.door.require_chat()  # a base model: the one-line error naming the alternatives
         self.template_kwargs = dict(template_kwargs or {})
         self.generation = generation
         self.cache = PromptCache(target, self.drafter, context, generation.get("window"))
@@ -285,15 +234,13 @@ class ChatSession:
         and the message is not added."""
         self.messages.append({"role": "user", "content": text})
         try:
-            ids, base = conversation_ids(self.target, self.messages, raw=self.raw, fmt=self.format,
-                                         **self.template_kwargs)
-            gen = self.cache.generator(self.target, ids, base, drafter=self.drafter,
+            prompt = self.door.chat(self.messages, **self.template_kwargs)
+            gen = self.cache.generator(self.target, prompt.ids, prompt.base, drafter=self.drafter,
                                        **{**self.generation, **overrides})
         except BaseException:  # a prompt that does not fit, a template error, an interrupt
             self.messages.pop()
             raise
-        if gen.eos:
-            gen.eos |= self.format.end_of_turn_ids
+        prompt.add_stops(gen)
         self.last = gen
         return self._run(gen)
 
@@ -306,11 +253,3 @@ class ChatSession:
             self.messages.append({"role": "assistant", "content": final_text(gen)})
             self.totals.add(gen.stats)
 
-
-def _text(content) -> str:
-    """A message's text: a string, or OpenAI-style parts [{"type": "text", "text": ...}] joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    raise SnapspecError("message content must be a string or a list of text parts")

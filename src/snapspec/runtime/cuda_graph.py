@@ -6,7 +6,7 @@ that lets its allocator grow) and from then on replays the recorded kernels for 
 reads and writes the device addresses recorded at capture, so everything a captured step touches has a fixed address:
 
   token ids, positions, attention mask  one packed int64 device buffer per token count T, [ids(T) | pos(T) | mask],
-            rewritten in place before each step by copies queued on the sessions' stream (runtime/stream.py): ids
+            rewritten in place before each step by copies queued on the sessions' stream (runtime/device/stream.py): ids
             and positions, and the part of the mask that changed since the buffer's last step. The mask spans the
             whole context, ones up to the step's last position and zeros after: GroupQueryAttention takes the lengths
             from it on the device (seqlens_k), and its total_sequence_length, a shape, stays the context size, so
@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .state import allocate
-from .stream import DeviceIds, Stream, queued
+from .device.stream import DeviceIds, Stream, queued
 
 GRAPH_ID = "gpu_graph_id"
 

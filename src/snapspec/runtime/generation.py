@@ -2,14 +2,14 @@
 
 A Generator runs once. Given contexts that already hold tokens (a previous turn), it keeps the longest common prefix
 of those tokens and its prompt that the contexts can return to and prefills only the rest. Contexts are sized to
-what the generation needs (prompt + max new tokens + the rollback window) unless told otherwise. The speculative
-round itself is speculative.py; what drafts is a Drafter (drafters.py). Stop strings are checked on text decoded
+what the generation needs (prompt + max new tokens + the rollback window) unless told otherwise; the Pair (pair.py)
+builds them and holds the rollback policy. The speculative round itself is speculative.py; what drafts is a Drafter
+(drafters/). Stop strings are checked on text decoded
 incrementally (each token once), not by decoding the whole sequence every round.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Iterator
 
 import numpy as np
@@ -17,23 +17,15 @@ from tokenizers.decoders import DecodeStream
 
 from snapspec import SnapspecError
 
-from . import genai_folder
 from .adaptive import Costs, DraftLengthChooser
-from .context import PREFILL_CHUNK, Context, Rows, default_mode
-from .drafters import Drafter, ModelDrafter
+from .context import PREFILL_CHUNK, Context, Rows
+from .drafters import Drafter
 from .model import Model
-from .ngram import NgramDrafter
+from .pair import Pair
+from .prompt import FrontDoor, is_messages
 from .sampling import SamplingParams, check_finite, pick
 from .speculative import speculative_round
 from .stats import Stats
-
-log = logging.getLogger("snapspec")
-
-
-def check_pair(target: Model, drafter: Model) -> None:
-    if target.vocab_size != drafter.vocab_size or target.tokenizer.get_vocab() != drafter.tokenizer.get_vocab():
-        raise SnapspecError(f"drafter and target have different vocabularies ({drafter.vocab_size} vs "
-                            f"{target.vocab_size} tokens, or different tokenizers); speculation needs one vocabulary")
 
 
 class Generator:
@@ -44,71 +36,54 @@ class Generator:
     allocate (default: prompt + max_new_tokens + window, within the exports' max_context). target_ctx / drafter_ctx:
     contexts to reuse; what they already hold is resumed. costs: the cost model for draft_max="auto" (default:
     measured on the live contexts at the start; read it back from `costs` to reuse it in the next Generator).
+    constraint: a constraint.Constraint every token follows (structured output, a forced tool call): the target's
+    rows and the drafts are chosen under its mask; the generation also stops where its grammar ends.
     """
 
     def __init__(self, target: Model, prompt_ids, *, drafter: Model | Drafter | str | None = None,
                  max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), draft_max: int | str = 4,
                  rollback: str = "auto", stop_strings=(), stop_at_eos: bool = True, context: int | None = None,
                  window: int | None = None, target_ctx: Context | None = None, drafter_ctx: Context | None = None,
-                 poison: bool = False, costs: Costs | None = None, prefill_chunk: int | None = None):
+                 poison: bool = False, costs: Costs | None = None, prefill_chunk: int | None = None,
+                 constraint=None):
         self.target = target
         self.prompt = [int(t) for t in prompt_ids]
         if not self.prompt:
             raise SnapspecError("empty prompt: give at least one token of text")
         if max_new_tokens < 1:
             raise SnapspecError(f"max-new-tokens must be >= 1, got {max_new_tokens}")
-        if rollback not in ("auto", "checkpoint"):
-            raise SnapspecError(f"rollback must be auto or checkpoint, got {rollback!r}")
         if prefill_chunk is not None and int(prefill_chunk) < 1:
             raise SnapspecError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
         if drafter is not None and draft_max != "auto" and int(draft_max) < 1:
             raise SnapspecError(f"draft length must be >= 1 (got {draft_max}); omit --drafter for plain decoding")
-        if isinstance(drafter, str):
-            if drafter != "ngram":
-                raise SnapspecError(f"drafter must be a loaded Model, a Drafter or \"ngram\", got {drafter!r}")
-            drafter = NgramDrafter(target.vocab_size)  # prompt lookup, no drafter model (ngram.py)
         self.max_new = max_new_tokens
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.eos = set(target.eos_ids) if stop_at_eos else set()
-        self.window = int(window or target.manifest.rollback["window"])
         self.prefill_chunk = int(prefill_chunk or PREFILL_CHUNK)
+        self.constraint = constraint
+        self._logits = not sampling.greedy or constraint is not None  # a mask needs the logits rows
         self.stats = Stats(prompt_tokens=len(self.prompt))
         self.tokens: list[int] = []
         self.seq: list[int] = list(self.prompt)  # prompt + tokens
         self.stop_reason: str | None = None
-        self._warned: set[str] = set()
         self._started = False
         self._calibrated = False  # the cost model was measured (or there was no room to)
         self._text = _TextStream(target.tokenizer)
         # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
         # calibration times forwards of up to W + 1 tokens after the prompt).
-        ctx_len = context or min(target.manifest.max_context, len(self.prompt) + max_new_tokens + self.window)
-        if isinstance(drafter, Model):
-            check_pair(target, drafter)
-            ctx_len = min(ctx_len, drafter.manifest.max_context)
-        self.tctx = target_ctx or Context(target, ctx_len, mode=default_mode(target), window=self.window,
-                                          poison=poison)
-        self.dctx: Context | None = None
-        self.drafter: Drafter | None = None
-        if isinstance(drafter, Model):
-            self.dctx = drafter_ctx or Context(drafter, ctx_len, mode=default_mode(drafter, "drafter"),
-                                               window=self.window, poison=poison)
-            self.drafter = ModelDrafter(self.dctx, self.prefill_chunk)
-        elif drafter is not None:
-            if drafter_ctx is not None:
-                raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
-            self.drafter = drafter
-            self.dctx = drafter.ctx
-        if self.drafter is not None and self.tctx.recurrent:
-            self.window = min(self.window, self.tctx.depth)  # the deepest verify the target can undo (window: W-1)
-        self.ctx_len = min(c.max_len for c in (self.tctx, self.dctx) if c is not None)
+        w = int(window or target.manifest.rollback["window"])
+        self.pair = Pair(target, drafter, length=context or len(self.prompt) + max_new_tokens + w, window=w,
+                         rollback=rollback, poison=poison, target_ctx=target_ctx, drafter_ctx=drafter_ctx,
+                         prefill_chunk=self.prefill_chunk)
+        self.tctx, self.dctx, self.drafter = self.pair.tctx, self.pair.dctx, self.pair.drafter
+        self.window, self.rollback = self.pair.window, rollback
+        self.ctx_len = self.pair.max_len
         if len(self.prompt) >= self.ctx_len:
             raise SnapspecError(f"prompt of {len(self.prompt)} tokens does not fit the context of {self.ctx_len} "
                                 "(at least one new token must fit)")
         self.draft_max = draft_max
-        self.rollback = rollback
         self.costs = costs
         self.chooser = None
         if draft_max == "auto":
@@ -123,11 +98,6 @@ class Generator:
     def text(self) -> str:
         """The text of the new tokens so far (decoded incrementally; final_text cuts it at a stop string)."""
         return self._text.read(self.tokens)
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message)
 
     def _emit(self, new: list[int]) -> list[int]:
         """Append tokens, cutting at EOS, the token budget, the context or a stop string; set stop_reason."""
@@ -162,13 +132,18 @@ class Generator:
                                 "the tokens they hold)")
         self._started = True
         st = self.stats
+        if self.constraint is not None:  # it ends where the grammar does, on the stops it allows there
+            self.eos |= set(self.target.eos_ids)
+            self.constraint.begin(self.prompt, self.eos)
+        if self.drafter is not None:
+            self.drafter.constraint = self.constraint
         with st.span("prefill"):
             reused = self.tctx.resume(self.prompt)
-            rows = self.tctx.prefill(self.prompt[reused:], self.prefill_chunk, logits=not self.sampling.greedy)
+            rows = self.tctx.prefill(self.prompt[reused:], self.prefill_chunk, logits=self._logits)
             st.target_forwards += rows.forwards
             st.prompt_reused, st.prompt_prefilled = reused, len(self.prompt) - reused
             if self.drafter is not None:
-                self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st)
+                self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st, prefill=rows)
             first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
         out = self._emit([first])
         if out:
@@ -187,11 +162,12 @@ class Generator:
         return self.tokens
 
     def _pick(self, rows: Rows, where: str) -> int:
-        if self.sampling.greedy:
+        if not self._logits:
             return int(rows.ids[-1])
         check_finite(rows.logits[-1], where)
         with self.stats.timed("sampling"):
-            return pick(rows.logits[-1], self.sampling, self.rng)[0]
+            allowed = None if self.constraint is None else self.constraint.allowed(self.seq)
+            return pick(rows.logits[-1], self.sampling, self.rng, allowed)[0]
 
     def _calibrate(self) -> None:
         """Measure the cost model for adaptive k on the live contexts, once, before the first round that has a
@@ -207,8 +183,10 @@ class Generator:
             self.costs = self.chooser.costs = self.drafter.measure_costs(self.tctx, self.window + 1)
 
     def _plain_step(self) -> list[int]:
-        rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=not self.sampling.greedy)
+        rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=self._logits)
         self.stats.target_forwards += 1
+        if self.drafter is not None:
+            self.drafter.accepted(0, rows)  # no draft: a drafter that follows the target's rows sees this one too
         return [self._pick(rows, "the target")]
 
     def _draft_length(self) -> int:
@@ -220,35 +198,10 @@ class Generator:
         k = self.drafter.available(self.seq, self._draft_length())
         if k == 0:
             return self._plain_step()
-        new, j = speculative_round(self.tctx, self.drafter, self.seq, k, self.sampling, self.rng, self.stats,
-                                   self._bounded(k))
+        new, j = speculative_round(self.pair, self.seq, k, self.sampling, self.rng, self.stats, self.constraint)
         if self.chooser:
             self.chooser.update(k, j)
         return new
-
-    def _bounded(self, k: int) -> bool:
-        """Can this round roll back without a checkpoint? Warn once, naming the cause, when it cannot."""
-        if self.rollback == "checkpoint":
-            return False
-        why = self._target_limit(k) or self.drafter.limit(k)
-        if why is not None:
-            key, message = why
-            if not (key == "replay" and genai_folder.is_builder(self.target.manifest)):  # its load note says it
-                self._warn_once(key, message)
-            return False
-        return True
-
-    def _target_limit(self, k: int) -> tuple[str, str] | None:
-        tctx = self.tctx
-        if tctx.recurrent is None:
-            return None
-        if k > self.window:
-            return ("window", f"draft length {k} exceeds the rollback window {self.window}: such rounds take the "
-                              "checkpoint path (re-export with a larger --rollback-window)")
-        if tctx.mode not in ("replay", "window"):
-            return ("replay", f"{self.target.folder} has no replay graph: every round takes the checkpoint path "
-                              "(re-export it with this snapspec to enable bounded rollback)")
-        return None
 
 
 class _TextStream:
@@ -286,14 +239,17 @@ class _TextStream:
         return "".join(reversed(out))[-n:] if n > 0 else ""
 
 
-def generate(target: Model, prompt: str | list[int] | list[dict], **kwargs) -> Generator:
+def generate(target: Model, prompt: str | list[int] | list[dict], *, raw: bool = False,
+             template_kwargs: dict | None = None, **kwargs) -> Generator:
     """Run a generation to the end and return the Generator (tokens, stats, stop_reason, modes_used). prompt: text,
-    token ids, or messages ({role, content}), which the model's chat template renders (runtime/chat.py)."""
-    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-        from .chat import chat
-        return chat(target, prompt, **kwargs)
-    ids = target.encode(prompt) if isinstance(prompt, str) else prompt
-    gen = Generator(target, ids, **kwargs)
+    token ids, or messages ({role, content}), which the chat front door renders (prompt.py; raw: their contents
+    joined as plain text; template_kwargs reach the chat template) and whose end-of-turn tokens stop the reply."""
+    if is_messages(prompt):
+        chat = FrontDoor(target, plain=raw).chat(prompt, **(template_kwargs or {}))
+        gen = Generator(target, chat.ids, **kwargs)
+        chat.add_stops(gen)
+    else:
+        gen = Generator(target, target.encode(prompt) if isinstance(prompt, str) else prompt, **kwargs)
     gen.run()
     return gen
 

@@ -5,6 +5,7 @@ providers actually run the graph. Loading never executes code from the folder: J
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,9 +14,10 @@ import onnxruntime as ort
 
 from snapspec import SnapspecError, manifest
 
-from . import genai_folder
+from . import exactness, genai_folder, hugepages
 from .cuda_graph import GraphSession
 from .providers import DEVICE, PROVIDERS, configure
+from .rollback import graph_for
 
 
 log = logging.getLogger("snapspec")
@@ -36,6 +38,11 @@ class Model:
     notes: list[str] = field(default_factory=list)
     graph_tokens: int = 0  # forwards of up to this many tokens replay CUDA graphs (0: none; runtime/cuda_graph.py)
     graphs: GraphSession | None = None
+    role: str = "target"  # target or drafter, as loaded: rollback.stores_for reads it
+    # load(share_head=True): the initializers shared with the folder's MTP head, as the OrtValues this session
+    # holds; runtime/head.load_head hands the same ones to the head's session (kept alive here)
+    shared_values: dict = field(default_factory=dict)
+    spin: bool = False  # whether the forward session's threads spin between runs (load's `spin`, resolved)
 
     @property
     def folder(self) -> Path:
@@ -55,7 +62,7 @@ class Model:
 
     @property
     def has_recurrent(self) -> bool:
-        return any(s["role"] in ("conv", "recurrent") for s in self.manifest.state)
+        return any(s["role"] in manifest.RECURRENT_ROLES for s in self.manifest.state)
 
     def position_ids(self, start: int, t: int) -> np.ndarray | None:
         """The forward's position_ids for t tokens from start: [1, T], or [R, 1, T] for a graph that takes R rows
@@ -76,21 +83,28 @@ class Model:
 
 
 def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int | None = None,
-         verify: bool = True, spin: bool = True, role: str = "target", recurrent: str = "auto",
-         cuda_graph: int = 0) -> Model:
-    """Open an exported folder on `ep`.
+         verify: bool = True, spin: bool | str = "auto", role: str = "target", rollback: str = "auto",
+         recurrent: str | None = None, cuda_graph: int = 0, share_head: bool = False) -> Model:
+    """Open an exported folder on `ep` for a role (target or drafter).
 
-    recurrent: which forward graph carries the recurrent state. auto: the state-window graph for a target on CUDA
-    when the export has one (rollback picks a state; measured faster than replay there, BENCHMARKS.md), else the
-    forward graph with replay (target), or for a drafter, which rolls back by ring slots, the forward graph without
-    the replay's rollback data when the export has it (export/ring.py). replay / window force one.
+    rollback: which forward graph carries the recurrent state (rollback.graph_for decides). auto: the state-window
+    graph for a target on CUDA when the export has one (rollback picks a state; measured faster than replay there,
+    docs/benchmarks/cuda-h200.md), else the forward graph with replay (target), or for a drafter, which rolls back
+    by ring slots, the forward graph without the replay's rollback data when the export has it
+    (src/snapspec/export/ring.py). replay / window force one.
+    recurrent: the old name of `rollback` (kept as an alias).
+    share_head: for a folder with an MTP head, give this session the initializers the head shares (embedding,
+    output projection, rotary tables) as OrtValues made once, which runtime/head.load_head then gives the head's
+    session: one copy for both on CUDA; on CPU it costs memory (runtime/head.py, docs/benchmarks/mtp.md).
 
-    spin: let the forward session's threads spin between runs, which suits back-to-back target steps. Load a
+    spin: let the forward session's threads spin between runs, which suits back-to-back target steps; "auto" (the
+    default) spins unless the machine is already oversubscribed (spinning_pays). Load a
     drafter with spin=False: every session owns a thread pool, and an idle pool that spins steals the cores the
     running one needs (pair-a on 2 cores: speculation ran at 0.75x of plain with every pool spinning, 1.5x with only
     the target's). Replay sessions never spin.
     """
     m = genai_folder.read_manifest(folder, verify)  # snapspec.json, or derived from an onnxruntime-genai folder
+    spin = spinning_pays(threads) if spin == "auto" else bool(spin)
     opts = _options(threads, spin)
     # With graphs, every session of the model runs on snapspec's stream: replays are queued, not waited for.
     used_ep, providers = configure(ep, opts, allow_fallback, cuda_graph=cuda_graph > 0, shared_stream=cuda_graph > 0)
@@ -100,8 +114,19 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         raise SnapspecError(f"CUDA graphs (--cuda-graph) need the CUDA execution provider, not {used_ep}")
     if cuda_graph and genai_folder.is_builder(m):
         raise SnapspecError("CUDA graphs need a snapspec export (an onnxruntime-genai folder's inputs differ)")
-    graph = _forward_graph(m, used_ep, role, recurrent)
-    session = _session(m.graph_path(graph), opts, providers)
+    if role not in ("target", "drafter"):
+        raise SnapspecError(f"role must be target or drafter, got {role!r}")
+    graph = graph_for(m, used_ep, role, recurrent or rollback)
+    shared = {}
+    if share_head:
+        from .head import shared_values
+        shared = shared_values(m, used_ep)
+        for name, value in shared.items():
+            opts.add_initializer(name, value)
+    source, note = m.graph_path(graph), ""
+    if used_ep == "cpu" and m.data["export"].get("quant") == "int4":
+        source, note = exactness.load_graph(source, opts, threads, who=f"{m.folder.name}: ")
+    session = _session(source, opts, providers, name=m.graph_path(graph))
     if used_ep != "cpu" and PROVIDERS[used_ep] not in session.get_providers():
         # onnxruntime drops a provider whose libraries or driver fail to load and runs on CPU without a word.
         raise SnapspecError(f"onnxruntime could not start the {used_ep} execution provider (its libraries or driver "
@@ -113,6 +138,8 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         _, replay_providers = configure(used_ep, replay_opts, allow_fallback,  # a plugin EP adds its device here
                                         shared_stream=cuda_graph > 0 and used_ep == "cuda")
         replay = _session(replay_path, replay_opts, replay_providers)
+    if used_ep == "cpu":
+        hugepages.advise()  # the weights just pre-packed: huge pages for the TLB (runtime/hugepages.py)
     tok_path = m.folder / "tokenizer.json"
     if not tok_path.exists():
         raise SnapspecError(f"{m.folder} has no tokenizer.json")
@@ -123,7 +150,10 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         raise SnapspecError(f"cannot read {tok_path}: {exc}") from None
     model = Model(m, used_ep, session, replay, tokenizer, threads, requested_ep=ep,
                   state_window=m.rollback.get("state_window") if graph == "forward_window" else None,
-                  graph_tokens=cuda_graph, graphs=GraphSession(session) if cuda_graph else None)
+                  graph_tokens=cuda_graph, graphs=GraphSession(session) if cuda_graph else None, role=role,
+                  shared_values=shared, spin=spin)
+    if note:
+        model.notes.append(note)
     if used_ep != ep:
         model.notes.append(f"requested {ep}, running on {used_ep} (--allow-fallback)")
     if genai_folder.is_builder(m):
@@ -132,24 +162,18 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     return model
 
 
-def _forward_graph(m: manifest.Manifest, ep: str, role: str, recurrent: str) -> str:
-    """forward, forward_window or forward_ring (see load)."""
-    if recurrent not in ("auto", "replay", "window"):
-        raise SnapspecError(f"unknown recurrent rollback {recurrent!r}: use auto, replay or window")
-    has_window = m.graph_path("forward_window") is not None
-    if recurrent == "window":
-        if not has_window:
-            raise SnapspecError(f"{m.folder} has no state-window graph (exports with recurrent state and "
-                                "--rollback-window <= 8 have one); use --recurrent-rollback replay")
-        if ep != "cuda":
-            raise SnapspecError(f"the state-window graph runs on CUDA only (onnxruntime's state_window), not on {ep}; "
-                                "use --ep cuda or --recurrent-rollback replay")
-        return "forward_window"
-    if recurrent == "auto" and has_window and ep == "cuda" and role == "target":
-        return "forward_window"
-    if recurrent == "auto" and role == "drafter" and m.graph_path("forward_ring") is not None:
-        return "forward_ring"
-    return "forward"
+def spinning_pays(threads: int | None) -> bool:
+    """Whether a session's intra-op threads should spin between runs: yes, unless the 1-minute load average already
+    exceeds the cores plus the threads this session adds. A spinning worker on an oversubscribed machine burns the
+    time slices the main thread and the other sessions need: pair-a's target on 2 threads at load average 9-10 on 2
+    cores stepped in 70-75 ms spinning, 38 ms not (docs/benchmarks/cpu-step.md); on an idle machine spinning saves
+    the wake-up of every parallel kernel. Decided once, when the session is made."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):  # Windows has no load average
+        return True
+    return load < cores + (threads or cores)
 
 
 def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
@@ -167,11 +191,15 @@ def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
     return opts
 
 
-def _session(path: Path, opts: ort.SessionOptions, providers: list[str] | None) -> ort.InferenceSession:
+def _session(source, opts: ort.SessionOptions, providers: list[str] | None,
+             name: Path | None = None) -> ort.InferenceSession:
+    """A session on a graph file, or on a graph's bytes (exactness.load_graph's rewrite; `name` is its file)."""
+    path = Path(name or source)
+    source = source if isinstance(source, bytes) else str(source)
     try:
         if providers is None:  # a plugin EP device was added to the options
-            return ort.InferenceSession(str(path), opts)
-        return ort.InferenceSession(str(path), opts, providers=providers)
+            return ort.InferenceSession(source, opts)
+        return ort.InferenceSession(source, opts, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types for corrupt or truncated graphs
         msg = str(exc).splitlines()[0].split(" : FAIL : ")[-1].strip()[:500]
         raise SnapspecError(f"onnxruntime cannot load {path.name} from {path.parent}: {msg}") from None
@@ -186,7 +214,8 @@ def _check_cuda_support(m: manifest.Manifest) -> None:
     dtype, and the state is float32). Exports made before that (fp16 activations into a float32 state) are refused.
     """
     if m.data["export"].get("embedding_dtype") == "int4":
-        # Measured on an H200 (BENCHMARKS.md, "Greedy drafts chained on the device"): pair-a exported with the int4
+        # Measured on an H200 (docs/benchmarks/cuda-h200.md, "Greedy drafts chained on the device"): pair-a
+        # exported with the int4
         # GatherBlockQuantized embedding ran without error and produced degenerate text (acceptance 0.05-0.1
         # instead of 0.86); the same export with an fp16 table matched its CPU results.
         raise SnapspecError("int4-embedding exports (GatherBlockQuantized) give wrong results on onnxruntime-gpu "

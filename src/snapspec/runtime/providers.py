@@ -67,7 +67,7 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool, cuda_grap
     """Put `opts` on `ep`. Returns (ep actually used, providers list for InferenceSession or None when the
     device was added to the options). A missing provider is an error unless fallback is allowed. cuda_graph: the
     CUDA session captures and replays CUDA graphs (runtime/cuda_graph.py); shared_stream: it runs on snapspec's CUDA
-    stream (runtime/stream.py), so its work queues behind other sessions' without waits. CUDA only."""
+    stream (runtime/device/stream.py), so its work queues behind other sessions' without waits. CUDA only."""
     if ep not in PROVIDERS:
         raise SnapspecError(f"unknown execution provider {ep!r}; choose one of: {', '.join(PROVIDERS)}")
     if ep == "cpu":
@@ -88,7 +88,7 @@ def configure(ep: str, opts: ort.SessionOptions, allow_fallback: bool, cuda_grap
             if cuda_graph:
                 options["enable_cuda_graph"] = "1"
             if shared_stream:
-                from .stream import queued, stream_for
+                from .device.stream import queued, stream_for
                 if queued("cuda"):
                     options["user_compute_stream"] = str(stream_for("cuda").handle)
             return ep, [(PROVIDERS[ep], options), "CPUExecutionProvider"]

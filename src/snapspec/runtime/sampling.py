@@ -17,6 +17,11 @@ import numpy as np
 from snapspec import SnapspecError
 
 
+# The smallest temperature other than 0: below it the scaled logits overflow float32 (under ~3e-39 they become inf
+# and NaN, and sampling picks garbage), and long before that sampling is greedy in all but exact ties.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -27,6 +32,9 @@ class SamplingParams:
     def __post_init__(self):
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise SnapspecError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise SnapspecError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got "
+                                f"{self.temperature:g}")
         if self.top_k < 0:
             raise SnapspecError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
@@ -177,8 +185,12 @@ def _band(vals: np.ndarray, lo: float, hi: float, pos: np.ndarray | None = None)
     return (idx if pos is None else pos.take(idx)), vals.take(idx)
 
 
-def pick(row: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> tuple[int, Dist | None]:
-    """One token from one logits row; also the distribution when sampling (the acceptance rule needs it)."""
+def pick(row: np.ndarray, p: SamplingParams, rng: np.random.Generator,
+         allowed: np.ndarray | None = None) -> tuple[int, Dist | None]:
+    """One token from one logits row; also the distribution when sampling (the acceptance rule needs it). allowed:
+    a constraint's mask (constraint.py): the row's refused tokens at -inf first, then the sampling law."""
+    if allowed is not None:
+        row = np.where(allowed, row, np.float32(-np.inf))
     if p.greedy:
         return int(np.argmax(row)), None
     dist = distribution(row, p)
@@ -186,20 +198,24 @@ def pick(row: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> tuple[
 
 
 def accept(draft: list[int], q: list[Dist | None], target_rows: np.ndarray, p: SamplingParams,
-           rng: np.random.Generator) -> tuple[int, int]:
+           rng: np.random.Generator, masks: list[np.ndarray] | None = None) -> tuple[int, int]:
     """Return (j accepted draft tokens, the target's next token) for target rows [k+1, vocab].
 
     Greedy: accept while the draft equals the target argmax; the next token is the argmax after the prefix.
     Sampling: accept d_i with probability min(1, p(d_i) / q(d_i)); on rejection draw from max(0, p - q)
     renormalised; if all k are accepted, draw the bonus token from p_{k+1}.
+    masks: a constraint's mask of each row (constraint.Constraint.masks): every row is the masked target's, so
+    acceptance follows the masked law; the list may end early, at a draft token its last mask refuses (p = 0 there:
+    rejected for certain, and no later row is read).
     """
     k = len(draft)
+    if masks is not None:
+        target_rows = _Masked(target_rows, masks)
     if p.greedy:
-        best = target_rows.argmax(axis=-1)
         j = 0
-        while j < k and draft[j] == int(best[j]):
+        while j < k and draft[j] == int(np.argmax(target_rows[j])):
             j += 1
-        return j, int(best[j])
+        return j, int(np.argmax(target_rows[j]))
     q = [as_dist(qi) for qi in q]
     for i in range(k):
         pt = distribution(target_rows[i], p)
@@ -211,3 +227,13 @@ def accept(draft: list[int], q: list[Dist | None], target_rows: np.ndarray, p: S
         residual = np.maximum(pt.w / pt.total - (qd if pt.ids is None else qd[pt.ids]), 0.0)
         return i, (Dist(pt.ids, residual, pt.size) if residual.sum() > 0 else pt).sample(rng)
     return k, distribution(target_rows[k], p).sample(rng)
+
+
+class _Masked:
+    """Verify rows read through their masks, one row at a time (only the rows acceptance reaches are masked)."""
+
+    def __init__(self, rows: np.ndarray, masks: list[np.ndarray]):
+        self.rows, self.masks = rows, masks
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.where(self.masks[i], self.rows[i], np.float32(-np.inf))

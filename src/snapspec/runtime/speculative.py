@@ -1,47 +1,52 @@
-"""The speculative round (README, "How a speculative round works"): draft k tokens, verify [t0, d1..dk] in one
+"""The speculative round (docs/rollback-and-the-round.md): draft k tokens, verify [t0, d1..dk] in one
 target forward, accept a prefix, emit it plus one target token, roll both sides back to the accepted position.
 
-The round knows the target's Context and a Drafter (drafters.py), not what drafts. A bounded round rolls back in
-place (truncate, replay, ring, window); a round that bounded rollback cannot serve (`bounded=False`: a draft longer
-than the window, a side without rollback, or the checkpoint baseline forced) copies the recurrent state before
-drafting, restores it after, and lets the next round re-decode the accepted tokens. Counters count every round
-either way. Greedy rounds move token ids only: the verify returns the argmax of its k+1 rows. A draft left on the
-device (a chained greedy draft) goes into the verify there, and its tokens come back with the verify's ids.
+The round knows the Pair (the target's Context, a Drafter, the rollback policy), not what drafts. A bounded round
+rolls back in place (truncate, replay, ring, window); a round that bounded rollback cannot serve takes the Pair's
+checkpoint path: copy the state before drafting, restore it after, and let the next round re-decode the accepted
+tokens. Counters count every round either way. Greedy rounds move token ids only: the verify returns the argmax of
+its k+1 rows. A draft left on the device (a chained greedy draft) goes into the verify there, and its tokens come back
+with the verify's ids.
+
+A constraint (constraint.py: structured output, a forced tool call) is the round's one logits processor: the drafter
+chooses every draft token under the mask after the tokens before it (Drafter.choose), and each verify row is read
+under the mask after the draft prefix it follows (Constraint.masks), so acceptance follows the masked target law;
+a draft token the mask refuses (an n-gram lookup's) is rejected for certain. The grammar's state rolls back with the
+rejected tokens on the next question the constraint is asked.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .context import Context
-from .drafters import Drafter
+from .pair import Pair
 from .sampling import SamplingParams, accept, check_finite
 from .stats import Stats
 
 
-def speculative_round(tctx: Context, drafter: Drafter, seq: list[int], k: int, sampling: SamplingParams,
-                      rng: np.random.Generator, st: Stats, bounded: bool) -> tuple[list[int], int]:
+def speculative_round(pair: Pair, seq: list[int], k: int, sampling: SamplingParams, rng: np.random.Generator,
+                      st: Stats, constraint=None) -> tuple[list[int], int]:
     """One round after seq (its last token t0 is consumed by neither side yet). Returns (emitted tokens, j)."""
-    n = len(seq)
+    tctx, drafter, n = pair.tctx, pair.drafter, len(seq)
+    bounded = pair.bounded(k)
     if not bounded:
-        # A restore left the target at its checkpoint: catch up on the tokens accepted since (all but t0) first, or
-        # every later round would re-decode everything since the first one.
-        if tctx.n_past < n - 1:
-            with st.timed("rollback"):
-                tctx.forward(seq[tctx.n_past:n - 1], keep=1, logits=False)
-                st.target_forwards += 1
-        tctx.checkpoint()
+        pair.checkpoint(seq, st)
     with st.timed("draft"):
-        draft = drafter.propose(seq, k, checkpoint=not bounded)
+        draft = drafter.propose(seq, k)
+    logits = not sampling.greedy or constraint is not None
     with st.timed("verify"):  # with a queued draft, this also waits for the drafter's steps
         if draft.device is not None:
-            rows = tctx.forward(seq[tctx.n_past:], keep=k + 1, logits=not sampling.greedy, tail=draft.device)
+            rows = tctx.forward(seq[tctx.n_past:], keep=k + 1, logits=logits, tail=draft.device)
         else:
-            rows = tctx.forward(seq[tctx.n_past:] + draft.tokens, keep=k + 1, logits=not sampling.greedy)
+            rows = tctx.forward(seq[tctx.n_past:] + draft.tokens, keep=k + 1, logits=logits)
         st.target_forwards += 1
         draft.resolve()
     with st.timed("sampling"):
-        if sampling.greedy:
+        if constraint is not None:
+            check_finite(rows.logits, "the target's verify")
+            masks = constraint.masks(seq, draft.tokens)
+            j, nxt = accept(draft.tokens, draft.q, rows.logits, sampling, rng, masks)
+        elif sampling.greedy:
             j, nxt = accept_greedy(draft.tokens, rows.ids)
         else:
             check_finite(rows.logits, "the target's verify")
@@ -51,17 +56,19 @@ def speculative_round(tctx: Context, drafter: Drafter, seq: list[int], k: int, s
     st.accepted += j
     st.emitted += j + 1
     st.draft_lengths[k] += 1
+    for i in range(1, min(j + 1, k) + 1):  # positions the verify reached; the first j were accepted
+        st.checked_at[i] += 1
+        st.accepted_at[i] += i <= j
     with st.timed("rollback"):
         if bounded:
             if n + j < tctx.n_past:
                 st.rollbacks[f"target:{tctx.rollback(n + j)}"] += 1
-            mode = drafter.accepted(j)
-            if mode is not None:
-                st.rollbacks[f"drafter:{mode}"] += 1
         else:
-            tctx.restore()
-            drafter.accepted(j)
+            pair.restore()
             st.rollbacks["checkpoint"] += 1
+        mode = drafter.accepted(j, rows)
+        if mode is not None:
+            st.rollbacks[f"drafter:{mode}"] += 1
     return draft.tokens[:j] + [nxt], j
 
 

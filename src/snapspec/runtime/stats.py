@@ -29,6 +29,9 @@ class Stats:
     drafter_forwards: int = 0
     rollbacks: Counter = field(default_factory=Counter)  # "target:replay", "drafter:ring", "checkpoint", ...
     draft_lengths: Counter = field(default_factory=Counter)
+    # Per draft position i (1-based): rounds whose verify reached it (the drafts before it accepted), and accepted it
+    checked_at: Counter = field(default_factory=Counter)
+    accepted_at: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=Counter)  # prefill, decode, draft, verify, rollback, sampling
     _inner: list = field(default_factory=list, repr=False, compare=False)  # open `timed` blocks: nested seconds
 
@@ -67,6 +70,11 @@ class Stats:
         return self.emitted / self.rounds if self.rounds else None
 
     @property
+    def acceptance_by_position(self) -> dict[str, float]:
+        """Per draft position i, the share of the rounds that reached it (accepted 1..i-1) that accepted it too."""
+        return {str(i): self.accepted_at[i] / n for i, n in sorted(self.checked_at.items()) if n}
+
+    @property
     def decode_tokens_per_s(self) -> float | None:
         t = self.seconds.get("decode", 0.0)
         return (self.new_tokens - 1) / t if t > 0 and self.new_tokens > 1 else None
@@ -76,6 +84,9 @@ class Stats:
         d.pop("_inner")
         d["rollbacks"] = dict(self.rollbacks)
         d["draft_lengths"] = {str(k): v for k, v in sorted(self.draft_lengths.items())}
+        d["checked_at"] = {str(k): v for k, v in sorted(self.checked_at.items())}
+        d["accepted_at"] = {str(k): v for k, v in sorted(self.accepted_at.items())}
+        d["acceptance_by_position"] = self.acceptance_by_position
         d["seconds"] = {k: round(v, 6) for k, v in self.seconds.items()}
         d.update(acceptance=self.acceptance, mean_accepted=self.mean_accepted, mean_emitted=self.mean_emitted,
                  decode_tokens_per_s=self.decode_tokens_per_s)

@@ -5,6 +5,7 @@
 import { ort } from './vendor.js';
 import { fetchJson, loadModel } from './context.js';
 import { Generator } from './generation.js';
+import { loadHead } from './mtp.js';
 import { SamplingParams } from './sampling.js';
 import { runChecks } from './checks.js';
 
@@ -52,9 +53,12 @@ async function start() {
   if (params.get('threads')) ort.env.wasm.numThreads = Number(params.get('threads'));
   const load = (role) => (config.models[role] ? loadModel({ ...config.models[role] }, ep, { onProgress: status }) : null);
   const target = await load('target');
-  const drafter = await load('drafter');
+  // config.draft === 'mtp' (`snapspec web --drafter mtp`): draft with the target's own MTP head (mtp.js).
+  const drafter = config.draft === 'mtp' ? await loadHead(target, { onProgress: status }) : await load('drafter');
   const describe = (m) => `${m.name} (${m.manifest.model.model_type}, ${m.manifest.export.dtype}${m.manifest.export.quant !== 'none' ? ' ' + m.manifest.export.quant : ''})`;
-  $('models').textContent = `target ${describe(target)}` + (drafter ? ` · drafter ${describe(drafter)}` : ' · no drafter (plain decoding)')
+  const drafterText = !drafter ? ' · no drafter (plain decoding)'
+    : drafter.isHead ? ` · drafter: the target's MTP head (${drafter.graph.file})` : ` · drafter ${describe(drafter)}`;
+  $('models').textContent = `target ${describe(target)}` + drafterText
     + ` · onnxruntime-web ${ort.env.versions.web} on ${ep === 'wasm' ? `wasm, ${ort.env.wasm.numThreads} thread(s)` : device}`
     + (why ? ` (wasm: ${why})` : '');
   if (!drafter) $('draft-k').value = 0;
@@ -91,7 +95,7 @@ async function generate(app) {
   });
   running = { stop: false, gen };
   $('go').textContent = 'Stop';
-  status(drafter ? `generating: speculative, k = ${k}` : 'generating: plain decoding');
+  status(drafter ? `generating: speculative${drafter.isHead ? ' (MTP head)' : ''}, k = ${k}` : 'generating: plain decoding');
   let painted = performance.now();
   try {
     for await (const _ of gen) {

@@ -110,6 +110,7 @@ function samplingLaw({ target, drafter, k, n, seed }) {
 export async function runChecks(app, spec) {
   const { target } = app;
   const drafter = app.drafter || target;
+  const model = app.drafter && !app.drafter.isHead ? app.drafter : null; // a drafter model (not the MTP head)
   const seconds = {};
   const timed = async (name, fn) => {
     const t = performance.now();
@@ -121,9 +122,9 @@ export async function runChecks(app, spec) {
   result.logits = await timed('logits', async () => { // one run at a time: a session must not run concurrently
     const out = { target: [] };
     for (const ids of promptIds) out.target.push(await prefillLogits(target, ids));
-    if (app.drafter) {
+    if (model) {
       out.drafter = [];
-      for (const ids of promptIds) out.drafter.push(await prefillLogits(app.drafter, ids));
+      for (const ids of promptIds) out.drafter.push(await prefillLogits(model, ids));
     }
     return out;
   });
@@ -134,9 +135,12 @@ export async function runChecks(app, spec) {
   });
   result.spec = await timed('speculative', async () => {
     const out = [];
-    for (const [k, rollback, p] of spec.runs) {
-      const g = await generate(target, promptIds[p], { drafter, maxNewTokens: spec.newTokens, draftMax: k, rollback });
-      out.push({ k, rollback, prompt: p, tokens: [...g.tokens], stats: counters(g), modes: [...g.modesUsed].sort() });
+    // [k, rollback, prompt, sampling]: sampling (top-k 1, so that the output is the greedy one) takes the sampled
+    // path: the drafts' q rows and the rejection rule.
+    for (const [k, rollback, p, params] of spec.runs) {
+      const sampling = new SamplingParams(params || {});
+      const g = await generate(target, promptIds[p], { drafter, maxNewTokens: spec.newTokens, draftMax: k, rollback, sampling });
+      out.push({ k, rollback, prompt: p, sampled: !!params, tokens: [...g.tokens], stats: counters(g), modes: [...g.modesUsed].sort() });
     }
     return out;
   });
@@ -147,7 +151,7 @@ export async function runChecks(app, spec) {
   result.rollback = await timed('rollback', async () => {
     const args = [spec.rollbackTokens, spec.rollbackPrompt, spec.window, spec.rollbackJs];
     const out = { target: await rollbackCheck(target, 'target', ...args) };
-    if (app.drafter) out.drafter = await rollbackCheck(app.drafter, 'drafter', ...args);
+    if (model) out.drafter = await rollbackCheck(model, 'drafter', ...args);
     return out;
   });
   result.probs = spec.probs.map(({ row, params }) => Array.from(probs(row, new SamplingParams(params))));

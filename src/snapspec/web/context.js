@@ -18,7 +18,7 @@
 
 import { ort, Tokenizer } from './vendor.js';
 
-const RECURRENT = new Set(['conv', 'recurrent']);
+const RECURRENT = new Set(['conv', 'recurrent', 'swa_key', 'swa_value', 'rglru']);  // manifest.py RECURRENT_ROLES
 export const WEBGPU_CHUNK = 16;
 
 export async function fetchJson(url) {
@@ -37,33 +37,38 @@ export async function loadModel(entry, ep, { onProgress = () => {} } = {}) {
     throw new Error(`${entry.name}: an int4 embedding (GatherBlockQuantized) does not run in onnxruntime-web 1.30; `
       + 're-export with --embedding-dtype fp32 (or fp16 for WebGPU adapters with shader-f16)');
   }
-  const state = manifest.state;
-  const outputsOnDevice = ep === 'webgpu'
-    ? [...state.map((s) => s.output), ...(manifest.rollback_data ? [manifest.rollback_data.name] : [])]
-    : [];
-  const open = async (role) => {
-    const graph = manifest.graphs[role];
-    onProgress(`${entry.name}: loading ${graph.file}`);
-    const options = {
-      executionProviders: [ep],
-      graphOptimizationLevel: 'all',
-      externalData: (entry.external[graph.file] || []).map((path) => ({ path, data: entry.url + path })),
-      // State stays on the GPU between calls; logits come back to the host, where sampling runs.
-      preferredOutputLocation: Object.fromEntries(graph.outputs.map(
-        (name) => [name, outputsOnDevice.includes(name) ? 'gpu-buffer' : 'cpu'])),
-      logSeverityLevel: 3,
-    };
-    try {
-      return await ort.InferenceSession.create(entry.url + graph.file, options);
-    } catch (err) {
-      throw new Error(`onnxruntime-web (${ep}) cannot load ${entry.name}/${graph.file}: ${err.message || err}`);
-    }
-  };
+  const open = (role) => openGraph(entry, manifest, role, ep, onProgress);
   const session = await open('forward');
   const replay = manifest.graphs.replay && manifest.rollback_data ? await open('replay') : null;
   const tokJson = await fetchJson(entry.url + 'tokenizer.json');
   const tokConfig = manifest.files['tokenizer_config.json'] ? await fetchJson(entry.url + 'tokenizer_config.json') : {};
-  return new Model(entry.name, manifest, ep, session, replay, new Tokenizer(tokJson, tokConfig));
+  const model = new Model(entry.name, manifest, ep, session, replay, new Tokenizer(tokJson, tokConfig));
+  model.entry = entry;
+  return model;
+}
+
+// One graph of an exported folder (manifest.graphs[role]) as an onnxruntime-web session. On WebGPU the state outputs
+// (the target's, and the MTP head's KV) stay on the GPU between calls; logits and hidden rows come back to the host.
+export async function openGraph(entry, manifest, role, ep, onProgress = () => {}) {
+  const state = [...manifest.state, ...(manifest.mtp ? manifest.mtp.state : [])];
+  const outputsOnDevice = ep === 'webgpu'
+    ? [...state.map((s) => s.output), ...(manifest.rollback_data ? [manifest.rollback_data.name] : [])]
+    : [];
+  const graph = manifest.graphs[role];
+  onProgress(`${entry.name}: loading ${graph.file}`);
+  const options = {
+    executionProviders: [ep],
+    graphOptimizationLevel: 'all',
+    externalData: (entry.external[graph.file] || []).map((path) => ({ path, data: entry.url + path })),
+    preferredOutputLocation: Object.fromEntries(graph.outputs.map(
+      (name) => [name, outputsOnDevice.includes(name) ? 'gpu-buffer' : 'cpu'])),
+    logSeverityLevel: 3,
+  };
+  try {
+    return await ort.InferenceSession.create(entry.url + graph.file, options);
+  } catch (err) {
+    throw new Error(`onnxruntime-web (${ep}) cannot load ${entry.name}/${graph.file}: ${err.message || err}`);
+  }
 }
 
 export class Model {
@@ -99,7 +104,7 @@ export function defaultMode(model, role = 'target') {
   return role === 'target' && model.replay ? 'replay' : 'ring';
 }
 
-function zeros(spec, context) {
+export function zeros(spec, context) {
   const dims = spec.shape.map((d) => (d === 'batch' ? 1 : d === 'context' ? context : Number(d)));
   const size = dims.reduce((a, b) => a * b, 1);
   const data = spec.dtype === 'float32' ? new Float32Array(size) : new Uint16Array(size);
@@ -107,7 +112,7 @@ function zeros(spec, context) {
 }
 
 // A float32 copy of a logits tensor's host data (float16 exports return half floats as Uint16Array).
-function hostFloats(tensor) {
+export function hostFloats(tensor) {
   if (tensor.type === 'float32') return tensor.data;
   if (tensor.type !== 'float16') throw new Error(`logits of type ${tensor.type}`);
   const src = tensor.data;
@@ -117,6 +122,12 @@ function hostFloats(tensor) {
     out[i] = e === 0 ? s * m * 2 ** -24 : e === 31 ? (m ? NaN : s * Infinity) : s * (1 + m / 1024) * 2 ** (e - 15);
   }
   return out;
+}
+
+// The rows of a [1, T, H] host tensor as T views (float32: Float32Array; float16: the raw Uint16Array halves).
+export function splitRows(tensor, t) {
+  const width = tensor.dims[tensor.dims.length - 1];
+  return Array.from({ length: t }, (_, i) => tensor.data.subarray(i * width, (i + 1) * width));
 }
 
 export class RollbackError extends Error {}
@@ -139,6 +150,9 @@ export class Context {
     this.rollbackName = m.rollback_data ? m.rollback_data.name : null;
     this.kv = null;
     this.slots = [];
+    // Forwards also return the graph's `hidden` output (post-norm hidden rows, host typed arrays) as rows.hidden:
+    // set for a draft source that reads them (the MTP head, mtp.js).
+    this.hidden = false;
     this.reset();
   }
 
@@ -191,15 +205,20 @@ export class Context {
   // Consume tokens; return their logits rows as Float32Array views, one per token. On WebGPU a forward of more than
   // WEBGPU_CHUNK tokens runs as several forwards of at most that many (a prefill; verify forwards are shorter):
   // onnxruntime-web 1.30's WebGPU GroupQueryAttention returns wrong rows, from the fifth on, for a call of 32 or
-  // more new tokens (README, "In the browser"). A replay then covers the last chunk only, as if the caller had
+  // more new tokens (docs/browser.md). A replay then covers the last chunk only, as if the caller had
   // made those calls itself.
   async forward(tokens) {
     const t = tokens.length;
     if (t === 0) throw new Error('forward of zero tokens');
     if (this.nPast + t > this.maxLen) throw new Error(`context full: ${this.nPast} + ${t} tokens exceed ${this.maxLen}`);
     if (this.model.ep !== 'webgpu' || t <= WEBGPU_CHUNK) return this._forward(tokens);
-    const rows = [];
-    for (let i = 0; i < t; i += WEBGPU_CHUNK) rows.push(...(await this._forward(tokens.slice(i, i + WEBGPU_CHUNK))));
+    const rows = [], hidden = [];
+    for (let i = 0; i < t; i += WEBGPU_CHUNK) {
+      const part = await this._forward(tokens.slice(i, i + WEBGPU_CHUNK));
+      rows.push(...part);
+      if (part.hidden) hidden.push(...part.hidden);
+    }
+    if (this.hidden) rows.hidden = hidden;
     return rows;
   }
 
@@ -218,6 +237,7 @@ export class Context {
     const fetches = ['logits', ...this.kvSpecs.map((s) => s.output), ...this.recSpecs.map((s) => s.output)];
     const packed = this.nSlots && this.mode === 'replay' && this.rollbackName;
     if (packed) fetches.push(this.rollbackName);
+    if (this.hidden) fetches.push('hidden');
     const out = await model.session.run(feeds, fetches);
     const oldKv = Object.values(this.kv);
     this.kv = Object.fromEntries(this.kvSpecs.map((s) => [s.name, out[s.output]]));
@@ -241,6 +261,7 @@ export class Context {
     const data = hostFloats(logits);
     const rows = [];
     for (let i = 0; i < t; i++) rows.push(data.subarray(i * vocab, (i + 1) * vocab));
+    if (this.hidden) rows.hidden = splitRows(out.hidden, t);
     return rows;
   }
 

@@ -1,12 +1,15 @@
 // Plain and speculative generation over contexts: runtime/generation.py's loop, round for round.
 //
-// A speculative round drafts k tokens with the drafter, verifies [t0, d1..dk] in one target forward, accepts a
-// prefix, emits it plus one target token, and rolls both contexts back to the accepted position (replay for the
-// target, ring slots for the drafter, truncation for KV). A round that bounded rollback cannot serve (a draft longer
-// than the window, a target without a replay graph, or rollback forced to checkpoint) keeps the state from before
-// drafting, restores it after, and lets the next forward re-decode the accepted tokens. Counters count every round.
+// A speculative round drafts k tokens from a draft source (drafting.js: a drafter model, or the target's MTP head in
+// mtp.js), verifies [t0, d1..dk] in one target forward, accepts a prefix, emits it plus one target token, and rolls
+// the target and the source back to the accepted position (replay for the target, ring slots for a drafter model,
+// truncation for KV and the head). A round that bounded rollback cannot serve (a draft longer than the window, a
+// target without a replay graph, or rollback forced to checkpoint) keeps the state from before drafting, restores it
+// after, and lets the next forward re-decode the accepted tokens. Counters count every round.
 
 import { Context, defaultMode } from './context.js';
+import { ModelDraft } from './drafting.js';
+import { MtpDraft } from './mtp.js';
 import { SamplingParams, Rng, accept, checkFinite, pick } from './sampling.js';
 
 export class Stats {
@@ -67,7 +70,8 @@ export class Generator {
     this.warnings = [];
     let ctxLen = context || target.maxContext;
     if (drafter) {
-      checkPair(target, drafter);
+      if (drafter.isHead && drafter.target !== target) throw new Error(`${drafter.name} is not ${target.name}'s head`);
+      if (!drafter.isHead) checkPair(target, drafter);
       ctxLen = Math.min(ctxLen, drafter.maxContext);
       if (!(draftMax >= 1)) throw new Error(`draft length must be >= 1 (got ${draftMax})`);
     }
@@ -75,8 +79,11 @@ export class Generator {
     this.draftMax = draftMax;
     this.rollback = rollback;
     this.tctx = new Context(target, { maxLen: ctxLen, mode: defaultMode(target), window: this.window });
-    this.dctx = drafter ? new Context(drafter, { maxLen: ctxLen, mode: defaultMode(drafter, 'drafter'), window: this.window }) : null;
-    if (this.dctx && this.tctx.nSlots) this.window = Math.min(this.window, this.tctx.depth);
+    // drafter: a drafter Model, or the target's MTP Head (mtp.js): either way one draft source for the round.
+    const Source = drafter && drafter.isHead ? MtpDraft : ModelDraft;
+    this.source = drafter ? new Source(drafter, { maxLen: ctxLen, window: this.window, stats: this.stats, sampling, rng: this.rng }) : null;
+    this.tctx.hidden = !!(this.source && this.source.wantsHidden);
+    if (this.source && this.tctx.nSlots) this.window = Math.min(this.window, this.tctx.depth);
     this.ctxLen = ctxLen;
   }
 
@@ -84,7 +91,7 @@ export class Generator {
 
   dispose() {
     this.tctx.dispose();
-    if (this.dctx) this.dctx.dispose();
+    if (this.source) this.source.dispose();
   }
 
   _warnOnce(message) { if (!this.warnings.includes(message)) this.warnings.push(message); }
@@ -114,7 +121,7 @@ export class Generator {
     await st.timed('prefill', async () => {
       rows = await this.tctx.forward(this.prompt);
       st.targetForwards++;
-      if (this.dctx) { await this.dctx.forward(this.prompt); st.drafterForwards++; }
+      if (this.source) await this.source.start(this.prompt, rows);
     });
     checkFinite(rows[rows.length - 1], "the target's prefill");
     const [first] = pick(rows[rows.length - 1], this.sampling, this.rng);
@@ -122,7 +129,7 @@ export class Generator {
     if (out.length) yield out;
     while (this.stopReason === null) {
       await st.timed('decode', async () => {
-        const next = this.dctx ? await this._round() : await this._plainStep();
+        const next = this.source ? await this._round() : await this._plainStep();
         out = this._emit(next);
       });
       if (out.length) yield out;
@@ -137,6 +144,7 @@ export class Generator {
   async _plainStep() {
     const rows = await this.tctx.forward(this.seq.slice(this.tctx.nPast));
     this.stats.targetForwards++;
+    if (this.source) this.source.observe(rows, this.seq.length - 1);
     checkFinite(rows[rows.length - 1], 'the target');
     return [pick(rows[rows.length - 1], this.sampling, this.rng)[0]];
   }
@@ -149,37 +157,29 @@ export class Generator {
   async _round() {
     const k = this._draftLength();
     if (k === 0) return this._plainStep();
-    const { stats: st, tctx, dctx } = this;
-    const n = this.seq.length; // the last accepted token t0 = seq[n-1] is consumed by neither context yet
+    const { stats: st, tctx, source } = this;
+    const n = this.seq.length; // the last accepted token t0 = seq[n-1] is consumed by neither the target nor the source
     const bounded = this._bounded(k);
     if (!bounded) {
-      // A restore left each context at its checkpoint: re-decode the tokens accepted since (all but t0) first.
+      // A restore left the target (and a drafter model) at its checkpoint: re-decode the tokens accepted since (all
+      // but t0) first.
       await st.timed('rollback', async () => {
-        for (const ctx of [tctx, dctx]) {
-          if (ctx.nPast < n - 1) {
-            await ctx.forward(this.seq.slice(ctx.nPast, n - 1));
-            if (ctx === tctx) st.targetForwards++; else st.drafterForwards++;
-          }
+        if (tctx.nPast < n - 1) {
+          await tctx.forward(this.seq.slice(tctx.nPast, n - 1));
+          st.targetForwards++;
         }
+        await source.catchUp(this.seq, n);
       });
       tctx.checkpoint();
-      dctx.checkpoint();
+      source.checkpoint();
     }
-    const draft = [], q = [];
-    await st.timed('draft', async () => {
-      let rows = await dctx.forward(this.seq.slice(dctx.nPast));
-      for (let i = 0; i < k; i++) {
-        checkFinite(rows[rows.length - 1], 'the drafter');
-        const [d, dist] = pick(rows[rows.length - 1], this.sampling, this.rng);
-        draft.push(d);
-        q.push(dist);
-        if (i + 1 < k) rows = await dctx.forward([d]);
-      }
-      st.drafterForwards += k;
-    });
+    let draft, q;
+    await st.timed('draft', async () => { ({ tokens: draft, q } = await source.propose(this.seq, k)); });
     let rows;
     await st.timed('verify', async () => {
-      rows = (await tctx.forward(this.seq.slice(tctx.nPast).concat(draft))).slice(-(k + 1));
+      const all = await tctx.forward(this.seq.slice(tctx.nPast).concat(draft));
+      rows = all.slice(-(k + 1));
+      if (all.hidden) rows.hidden = all.hidden;
       st.targetForwards++;
     });
     for (const row of rows) checkFinite(row, "the target's verify");
@@ -190,19 +190,13 @@ export class Generator {
     st.emitted += j + 1;
     st.count('draftLengths', k);
     await st.timed('rollback', async () => {
-      if (bounded) {
-        for (const [who, ctx, keep] of [['target', tctx, n + j], ['drafter', dctx, Math.min(n + j, n + k - 1)]]) {
-          if (keep < ctx.nPast) {
-            const mode = await ctx.rollback(keep);
-            st.count('rollbacks', `${who}:${mode}`);
-            this.modesUsed.add(`${who}:${mode}`);
-          }
-        }
-      } else {
+      const counted = (mode) => { st.count('rollbacks', mode); this.modesUsed.add(mode); };
+      if (bounded && n + j < tctx.nPast) counted(`target:${await tctx.rollback(n + j)}`);
+      const mode = await source.accepted(n, k, j, rows, bounded);
+      if (mode) counted(`drafter:${mode}`);
+      if (!bounded) {
         tctx.restore();
-        dctx.restore();
-        st.count('rollbacks', 'checkpoint');
-        this.modesUsed.add('checkpoint');
+        counted('checkpoint');
       }
     });
     return draft.slice(0, j).concat([next]);
@@ -211,7 +205,7 @@ export class Generator {
   // Can this round roll back without a checkpoint? Warn once, naming the cause, when it cannot.
   _bounded(k) {
     if (this.rollback === 'checkpoint') return false;
-    if (k > this.window && (this.tctx.nSlots || this.dctx.nSlots)) {
+    if (k > this.window && (this.tctx.nSlots || this.source.nSlots)) {
       this._warnOnce(`draft length ${k} exceeds the rollback window ${this.window}: such rounds take the checkpoint path`);
       return false;
     }

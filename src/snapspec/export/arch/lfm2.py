@@ -12,7 +12,9 @@ The conv state is the last conv_L_cache - 1 values of B * x.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 from snapspec import SnapspecError
@@ -76,7 +78,8 @@ def ignored(s: Spec) -> tuple[str, ...]:
     return ()
 
 
-def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
+def build(dec: Decoder, w: Weights, s: Spec, max_context: int, ffn: Callable[[str, int], str] | None = None) -> None:
+    """ffn(x, layer): the feed-forward of each layer (LFM2-MoE's experts); None: the dense SwiGLU."""
     D, hd = s.hidden, s.head_dim
     g = dec.fwd
     dec.token_inputs()
@@ -94,21 +97,29 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
                     heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
                     q_norm=w.get(a + "q_layernorm.weight", (hd,)), k_norm=w.get(a + "k_layernorm.weight", (hd,)),
                     rotary=rotary)
-        c = f"layers.{i}.conv."
-        bias = (lambda name, n: w.get(c + name, (n,))) if s.conv_bias else (lambda name, n: None)
-        with g.scope("conv"):
-            return dec.short_conv(x, i, in_w=w.get(c + "in_proj.weight", (3 * D, D)),
-                                  conv_w=w.get(c + "conv.weight", (D, 1, s.kernel)),
-                                  out_w=w.get(c + "out_proj.weight", (D, D)), hidden=D, kernel=s.kernel,
-                                  in_b=bias("in_proj.bias", 3 * D), conv_b=bias("conv.bias", D),
-                                  out_b=bias("out_proj.bias", D))
-
-    def ffn(x: str, i: int) -> str:
-        p = f"layers.{i}.feed_forward."
-        return dec.swiglu(x, w.get(p + "w1.weight", (s.intermediate, D)), w.get(p + "w3.weight", (s.intermediate, D)),
-                          w.get(p + "w2.weight", (D, s.intermediate)), leaf="feed_forward")
+        return conv_layer(dec, w, s, x, i)
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.operator_norm.weight", (D,)),
-                       lambda i: w.get(f"layers.{i}.ffn_norm.weight", (D,)), mixer, ffn,
+                       lambda i: w.get(f"layers.{i}.ffn_norm.weight", (D,)), mixer, ffn or partial(dense_ffn, dec, w, s),
                        w.get("embedding_norm.weight", (D,)))
     dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))
+
+
+def conv_layer(dec: Decoder, w: Weights, s, x: str, i: int) -> str:
+    """LFM2's gated short conv at layer i (LFM3's conv layers are the same block): `layers.{i}.conv.*`."""
+    D, c = s.hidden, f"layers.{i}.conv."
+    bias = (lambda name, n: w.get(c + name, (n,))) if s.conv_bias else (lambda name, n: None)
+    with dec.fwd.scope("conv"):
+        return dec.short_conv(x, i, in_w=w.get(c + "in_proj.weight", (3 * D, D)),
+                              conv_w=w.get(c + "conv.weight", (D, 1, s.kernel)),
+                              out_w=w.get(c + "out_proj.weight", (D, D)), hidden=D, kernel=s.kernel,
+                              in_b=bias("in_proj.bias", 3 * D), conv_b=bias("conv.bias", D),
+                              out_b=bias("out_proj.bias", D))
+
+
+def dense_ffn(dec: Decoder, w: Weights, s: Spec, x: str, i: int) -> str:
+    """The SwiGLU feed-forward (w1 gate, w3 up, w2 down) of layer i, s.intermediate wide."""
+    p = f"layers.{i}.feed_forward."
+    return dec.swiglu(x, w.get(p + "w1.weight", (s.intermediate, s.hidden)),
+                      w.get(p + "w3.weight", (s.intermediate, s.hidden)),
+                      w.get(p + "w2.weight", (s.hidden, s.intermediate)), leaf="feed_forward")

@@ -2,7 +2,8 @@
 
 Unusual here: RMSNorm is x_norm * (1 + w) (folded into gamma at export, except the gated norm, used as is);
 q_proj is twice as wide and interleaves query and output gate per head (de-interleaved at export); interleaved
-M-RoPE reduces to 1-D partial rotate-half RoPE for text; the vision tower and the `mtp.*` head are skipped.
+M-RoPE reduces to 1-D partial rotate-half RoPE for text; the vision tower is skipped. The `mtp.*` head is exported
+as its own graph (export/mtp.py, from `mtp_layer`) unless --no-mtp leaves it out, and then skipped.
 """
 
 from __future__ import annotations
@@ -95,6 +96,24 @@ def mixer(dec: Decoder, w: Weights, s: Spec, rotary) -> Callable[[str, int], str
     return run
 
 
+def dense_ffn(dec: Decoder, w: Weights, s: Spec) -> Callable[[str, int], str]:
+    """Layer i's SwiGLU feed-forward."""
+    D = s.hidden
+
+    def run(x: str, i: int) -> str:
+        p = f"layers.{i}.mlp."
+        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
+                          w.get(p + "up_proj.weight", (s.intermediate, D)),
+                          w.get(p + "down_proj.weight", (D, s.intermediate)))
+
+    return run
+
+
+def mtp_layer(dec: Decoder, w: Weights, s: Spec, rotary) -> tuple[Callable, Callable]:
+    """(mixer, feed-forward) of the MTP head's layer (export/mtp.py; w reads `mtp.`): gated attention, SwiGLU."""
+    return mixer(dec, w, s, rotary), dense_ffn(dec, w, s)
+
+
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D = s.hidden
     dec.token_inputs()
@@ -104,13 +123,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     def norm(name: str) -> np.ndarray:
         return 1.0 + w.get(name, (D,))
 
-    def ffn(x: str, i: int) -> str:
-        p = f"layers.{i}.mlp."
-        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                          w.get(p + "up_proj.weight", (s.intermediate, D)),
-                          w.get(p + "down_proj.weight", (D, s.intermediate)))
-
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
-                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer(dec, w, s, rotary), ffn,
-                       norm("norm.weight"))
+                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer(dec, w, s, rotary),
+                       dense_ffn(dec, w, s), norm("norm.weight"))
     dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))

@@ -5,7 +5,8 @@ Qwen3.5's token mixers (export/arch/qwen3_5.py: separate in_proj_qkv / z / b / a
 com.microsoft MoE node, a softmax router over all experts, a shared expert scaled by a sigmoid gate). Unusual here:
 the router always renormalises its top-k weights (transformers' Qwen3_5MoeTopKRouter has no norm_topk_prob
 switch), and there are no dense layers. Experts are read one at a time, from the published per-expert tensors
-(`experts.{e}.gate_proj.weight`) or the fused ones; the vision tower and `mtp.*` are skipped and reported.
+(`experts.{e}.gate_proj.weight`) or the fused ones; the vision tower is skipped and reported; `mtp.*` is exported as the head graph (export/mtp.py) unless
+--no-mtp leaves it out.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def spec(config: dict) -> Spec:
     return Spec(**qwen3_5.spec_fields(text, prefix), experts=text.get("num_experts", 256),
                 top_k=text.get("num_experts_per_tok", 8), moe_intermediate=text.get("moe_intermediate_size", 512),
                 shared_intermediate=text.get("shared_expert_intermediate_size", 512))
+
+
+def mtp_layer(dec: Decoder, w: Weights, s: Spec, rotary):
+    """(mixer, feed-forward) of the MTP head's layer (export/mtp.py; w reads `mtp.`): gated attention, sparse MoE."""
+    return qwen3_5.mixer(dec, w, s, rotary), lambda x, i: qwen3_next.sparse_moe(dec, w, s, x, f"layers.{i}.mlp.",
+                                                                               normalize=True)
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:

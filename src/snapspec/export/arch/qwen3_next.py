@@ -11,13 +11,15 @@ Unusual here:
   dense. The MoE runs as one com.microsoft MoE node (QMoE under int4, see Decoder.moe for when): it
   computes only the selected experts, has CPU, CUDA and WebGPU kernels, and matched a NumPy reference to ~4e-6.
   A dense all-experts formulation in standard ops would cost num_experts / top_k times the compute.
+- The `mtp.*` head is exported as its own graph (export/mtp.py, from `mtp_layer`) unless --no-mtp leaves it out.
 - Expert weights are read per expert (`experts.{e}.gate_proj.weight`, the on-disk format) or fused
   (`experts.gate_up_proj`, `experts.down_proj`, transformers' in-memory format), whichever the checkpoint has.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -106,17 +108,15 @@ def sparse_moe(dec: Decoder, w: Weights, s, x: str, p: str, normalize: bool) -> 
                        shared_gate_w=w.get(p + "shared_expert_gate.weight", (1, D)))
 
 
-def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
+def mixer(dec: Decoder, w: Weights, s: Spec, rotary) -> Callable[[str, int], str]:
+    """Layer i's token mixer: gated attention or Gated DeltaNet (fused, interleaved projections)."""
     D, hd = s.hidden, s.head_dim
     g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
-    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
 
     def norm(name: str, dim: int = D) -> np.ndarray:
         return 1.0 + w.get(name, (dim,))
 
-    def mixer(x: str, i: int) -> str:
+    def run(x: str, i: int) -> str:
         p = f"layers.{i}."
         if s.layer_types[i] == "full_attention":
             a = p + "self_attn."
@@ -138,16 +138,41 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
                 norm_w=w.get(a + "norm.weight", (s.v_dim,)), out_w=w.get(a + "out_proj.weight", (D, vd)),
                 k_heads=s.k_heads, v_heads=s.v_heads, k_dim=s.k_dim, v_dim=s.v_dim, kernel=s.kernel, eps=s.eps)
 
-    def mlp(p: str, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (w.get(p + "gate_proj.weight", (width, D)), w.get(p + "up_proj.weight", (width, D)),
-                w.get(p + "down_proj.weight", (D, width)))
+    return run
 
-    def ffn(x: str, i: int) -> str:
+
+def ffn(dec: Decoder, w: Weights, s: Spec) -> Callable[[str, int], str]:
+    """Layer i's feed-forward: the sparse MoE, or a dense SwiGLU where s.moe_layers says so."""
+    D = s.hidden
+
+    def run(x: str, i: int) -> str:
         p = f"layers.{i}.mlp."
         if not s.moe_layers[i]:
-            return dec.swiglu(x, *mlp(p, s.intermediate))
+            return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
+                              w.get(p + "up_proj.weight", (s.intermediate, D)),
+                              w.get(p + "down_proj.weight", (D, s.intermediate)))
         return sparse_moe(dec, w, s, x, p, s.norm_topk)
 
+    return run
+
+
+def mtp_layer(dec: Decoder, w: Weights, s: Spec, rotary) -> tuple[Callable, Callable]:
+    """(mixer, feed-forward) of the MTP head's layer (export/mtp.py; w reads `mtp.`): gated attention, and a sparse
+    MoE when the head has a router (`mtp.layers.0.mlp.gate.weight`), else a dense SwiGLU."""
+    s = replace(s, moe_layers=(w.has("layers.0.mlp.gate.weight"),))
+    return mixer(dec, w, s, rotary), ffn(dec, w, s)
+
+
+def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
+    D = s.hidden
+    dec.token_inputs()
+    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
+
+    def norm(name: str) -> np.ndarray:
+        return 1.0 + w.get(name, (D,))
+
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
-                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer, ffn, norm("norm.weight"))
+                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer(dec, w, s, rotary),
+                       ffn(dec, w, s), norm("norm.weight"))
     dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))

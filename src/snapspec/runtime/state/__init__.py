@@ -2,7 +2,7 @@
 
 A Context (../context.py) holds the stores its model's manifest asks for: attention KV (kv.KVCache) and, for the
 recurrent conv + matrix state, one of replay.ReplayState (target), ring.RingState (drafter) or window.WindowState
-(the CUDA state-window graph); checkpoint.Checkpoint copies any recurrent store's live state aside and back. A store
+(the CUDA state-window graph); saved.SavedState copies any recurrent store's live state aside and back. A store
 owns its buffers, allocated once for one context length and bound through IOBinding so state never travels to the
 host between steps, and the bookkeeping of which buffer holds the state of which position. The context owns the
 position, the tokens and the forward call. The interface, in the order a forward uses it:
@@ -13,7 +13,7 @@ position, the tokens and the forward call. The interface, in the order a forward
   advanced(start, t, key, outputs)   bookkeeping after a forward of t tokens from position start
   reach(pos) / rollback(pos)   the rollback mode that returns to pos (None: out of reach), and doing it
   positions()                  every position reach() accepts (None: any)
-  live(n_past) / restored(pos, memo)  the byte regions a checkpoint copies ({name: device_copy.Region}), and the
+  live(n_past) / restored(pos, memo)  the byte regions a checkpoint copies ({name: device.copy.Region}), and the
                                bookkeeping once they are copied back
   snapshot(n_past)             host copies of the state at n_past (tests, conformance)
   reset()                      position 0: empty (zero) state
@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from ..device_copy import Copier as DeviceCopy  # the stores' copier: device to device where it can
+from ..device.copy import Copier as DeviceCopy  # the stores' copier: device to device where it can
+from ..device.copy import nbytes_of as nbytes
 
 
 class Store:
@@ -81,10 +82,6 @@ def allocate(shape_, dtype_, device: str, fill: float) -> ort.OrtValue:
 
 def value_dtype(value: ort.OrtValue):
     return np.float32 if value.data_type() == "tensor(float)" else np.float16
-
-
-def nbytes(value: ort.OrtValue) -> int:
-    return int(np.prod(value.shape())) * np.dtype(value_dtype(value)).itemsize
 
 
 def host_array(value: ort.OrtValue) -> np.ndarray:

@@ -1,6 +1,8 @@
 """Attention KV: one buffer per key and value of each attention layer, [batch, kv_heads, context, head_dim], bound
-as both past and present (GroupQueryAttention writes the new rows in place). Rollback is free: the next forward
-passes a shorter attention mask, and writing from the shorter length overwrites the stale rows."""
+as both past and present (GroupQueryAttention writes the new rows in place); MLA's latent KV (`kv_latent`) is one
+buffer [batch, 1, context, width] bound as past and present of both key and value (the entry's `aliases`). Rollback
+is free: the next forward passes a shorter attention mask, and writing from the shorter length overwrites the stale
+rows."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ class KVCache(Store):
 
     def __init__(self, specs: list[dict], ctx_len: int, device: str, fill: float = 0.0):
         self.values = {s["name"]: allocate(shape(s, ctx_len), dtype(s), device, fill) for s in specs}
-        self.outputs = {s["output"]: s["name"] for s in specs}
+        self.outputs = {out: s["name"] for s in specs for out in [s["output"], *s.get("aliases", ())]}
 
     def bind(self, binding, key) -> list[str]:
         for past, value in self.values.items():

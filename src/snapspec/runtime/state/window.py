@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device_copy import Region
+from ..device.copy import Region
 from . import DeviceCopy, Store, Zeros, allocate, dtype, host_array, nbytes, shape
 
 

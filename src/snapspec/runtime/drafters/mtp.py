@@ -1,0 +1,189 @@
+"""MtpDrafter: drafts from the target's own multi-token-prediction head (docs/mtp.md), fed the target's hidden rows.
+
+The head's position p holds the pair (t_{p+1}, h_p): the token after p and the target's post-norm hidden at p; its
+logits there predict t_{p+2}. The target hands its hidden rows over through Rows.hidden (the Pair sets the target
+context's `hidden` for a drafter that `wants_hidden`): the prompt's at start(), every verify's and plain step's at
+accepted(). Until the head consumes them they wait here, by position; only rows of committed tokens are kept (a
+verify's rows past the accepted prefix saw rejected drafts).
+
+A round after seq (n tokens, seq[-1] not consumed by the target yet):
+- one multi-row head forward over the pairs it has not consumed, positions head.n_past..n-2 (after a round: the
+  accepted tokens and the bonus token, with the verify's hidden rows), whose last row gives draft 1;
+- k-1 one-row chained steps: (draft i, the head's own output hidden) at position n-2+i gives draft i+1.
+After the verify, the head's KV is truncated to n-1: its rows from n-1 on were fed the head's own hidden, never the
+target's. The target rolls back as the Pair says (its modes are unchanged). When sampling, each draft is drawn from
+the head's distribution under the same sampling law as the target's (sampling.pick), and its q row goes with it.
+
+Adaptive k: the head's step cost is timed by adaptive.measure_costs, the same interleaved rounds as a drafter
+model's, through a small adapter that gives the head a context's forward/rollback. Greedy drafts are not chained on
+the device (CUDA graphs): each head step is a host-bound run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from snapspec import SnapspecError
+
+from ..adaptive import Costs, measure_costs
+from .base import Draft, Drafter
+from .mtp_head import OnnxHead, check_head
+
+log = logging.getLogger("snapspec")
+
+PREFILL_CHUNK = 512  # head rows per forward while catching up on a prompt
+
+
+class MtpDrafter(Drafter):
+    """Drafts with the target's MTP head. target: the loaded target Model (its folder has the head); head: an object
+    with the OnnxHead interface instead (tests); its KV is sized by the Pair (`size`). One MtpDrafter follows one
+    target context: across generations on it (a chat session) it resumes its head and the hidden rows it holds."""
+
+    wants_hidden = True
+
+    def __init__(self, target=None, head=None, threads: int | None = None):
+        if target is None and head is None:
+            raise SnapspecError("MtpDrafter needs the target model (or a head)")
+        if head is None:
+            check_head(target)
+        self.target, self.head = target, head
+        self.threads = threads  # the head session's intra-op threads (None: the target's)
+        self._hidden: dict[int, np.ndarray] = {}  # the target's hidden rows not consumed yet, by position
+        self._known: list[int] = []  # the committed sequence as last seen (resume across generations)
+        self._round: tuple[int, int] | None = None  # (len(seq), k) of the last propose
+        self._draft: list[int] = []
+        self._end = 0  # where the next plain target step's rows end (the position of seq[-1])
+        self._warned = False
+
+    def size(self, length: int) -> None:
+        """The Pair's context length: the head's KV holds as many positions (made, or grown, here)."""
+        if self.head is None or self.head.max_len < length:
+            if self.target is None:
+                raise SnapspecError(f"the MTP head holds {self.head.max_len} positions, {length} asked")
+            self.head = OnnxHead(self.target, length, threads=self.threads)
+            self._hidden, self._known = {}, []
+
+    # -- the interface ----------------------------------------------------------------------------------------------
+    def start(self, prompt, *, sampling, rng, stats, prefill=None) -> None:
+        super().start(prompt, sampling=sampling, rng=rng, stats=stats)
+        if self.head is None:
+            self.size(len(prompt) + 1)
+        n = len(prompt)
+        if prefill is None or prefill.hidden is None:
+            raise SnapspecError("the target's prefill returned no hidden rows for the MTP head")
+        common = 0
+        limit = min(len(self._known), n)
+        while common < limit and self._known[common] == prompt[common]:
+            common += 1
+        # h_p depends on tokens 0..p only: the rows held (and the head's pairs, pair p reads t_{p+1}) stay valid
+        # inside the prefix the new prompt shares with the last sequence: the tokens known to match, or, beyond them
+        # (a last plain step's token is never shown to a drafter), what the target kept of its own context.
+        same = max(common, n - len(prefill.hidden))
+        self.head.truncate(min(self.head.n_past, max(same - 1, 0)))
+        self._hidden = {p: h for p, h in self._hidden.items() if self.head.n_past <= p < same}
+        self._store(prefill.hidden, n - 1, n - 1)
+        self._known = list(prompt)
+        self._round, self._end = None, n  # the first token, at position n
+        self._catch_up(prompt, n - 1)
+
+    def propose(self, seq: list[int], k: int) -> Draft:
+        n, st = len(seq), self.stats
+        rows = self._catch_up(seq, n - 1, last=True)  # pairs up to n - 2: its last row predicts t_n
+        tokens, q = [], []
+        for i in range(k):
+            d, dist = self.choose(rows, seq, tokens, "the MTP head")
+            if dist is not None:
+                q.append(dist)
+            tokens.append(d)
+            if i + 1 < k:
+                rows = self.head.forward([d], rows.hidden[-1:], logits=self.wants_logits)
+                st.drafter_forwards += 1
+        self._round, self._draft = (n, k), tokens
+        self._known = list(seq)
+        return Draft(tokens, q)
+
+    def accepted(self, j: int, verify=None) -> str | None:
+        hidden = getattr(verify, "hidden", None)
+        if hidden is None:
+            raise SnapspecError("the target's forward returned no hidden rows for the MTP head")
+        if self._round is None:  # a plain target step: its rows end at seq[-1]
+            self._store(hidden, self._end, self._end)
+            self._end += 1
+            return None
+        n, k = self._round
+        self._round = None
+        mode = None
+        if self.head.n_past > n - 1:  # the chained steps' rows: fed the head's own hidden
+            self.head.truncate(n - 1)
+            mode = "truncate"
+        self._store(hidden, n + k - 1, n + j - 1)  # rows past n + j - 1 saw rejected drafts
+        self._known += self._draft[:j]
+        self._end = n + j
+        return mode
+
+    def measure_costs(self, tctx, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
+        """The target's C(n) and r, and c: one head step, timed inside the same interleaved rounds as a drafter
+        model's (adaptive.measure_costs), through _HeadSteps."""
+        if tctx.n_past + n_max > tctx.max_len or self.head.n_past + 2 > self.head.max_len:
+            return None
+        return measure_costs(tctx, _HeadSteps(self.head, self._zero), n_max, reps=reps, tokens=tokens, chained=False)
+
+    # -- the head's bookkeeping -------------------------------------------------------------------------------------
+    def _store(self, hidden: np.ndarray, end: int, keep_to: int) -> None:
+        """Keep the rows of a forward whose last row is at position `end`, up to position keep_to."""
+        start = end - len(hidden) + 1
+        self._zero = hidden[0]
+        for i, row in enumerate(hidden):
+            p = start + i
+            if self.head.n_past <= p <= keep_to:
+                self._hidden[p] = row
+
+    def _catch_up(self, seq: list[int], upto: int, last: bool = False):
+        """Feed the head the pairs (seq[p + 1], h_p) for p = head.n_past..upto - 1, in chunks; returns the last
+        forward's rows (last: its logits too when sampling)."""
+        rows, head = None, self.head
+        while head.n_past < upto:
+            p0 = head.n_past
+            p1 = min(upto, p0 + PREFILL_CHUNK)
+            hidden = np.stack([self._row(p) for p in range(p0, p1)])
+            rows = head.forward(seq[p0 + 1:p1 + 1], hidden, logits=last and p1 == upto and self.wants_logits)
+            self.stats.drafter_forwards += 1
+            for p in range(p0, p1):
+                self._hidden.pop(p, None)
+        if last and rows is None:
+            raise SnapspecError(f"the MTP head has nothing to draft from at position {upto}")
+        return rows
+
+    def _row(self, p: int) -> np.ndarray:
+        row = self._hidden.get(p)
+        if row is not None:
+            return row
+        # A target context resumed past what this drafter saw (a new MtpDrafter on a reused target context): the
+        # head reads a zero row there. Drafts stay verified (output unchanged); only acceptance can drop.
+        if not self._warned:
+            log.warning("the MTP head did not see the target's hidden rows of a resumed prompt prefix: drafts "
+                        "there may be accepted less (keep one MtpDrafter across generations on one context)")
+            self._warned = True
+        return np.zeros_like(self._zero)
+
+
+class _HeadSteps:
+    """The head as adaptive.measure_costs times a drafter context: forward one token, roll back by truncation."""
+
+    chains = False
+
+    def __init__(self, head, row: np.ndarray):
+        self.head, self.row = head, row[None]
+
+    @property
+    def n_past(self) -> int:
+        return self.head.n_past
+
+    def forward(self, tokens, keep=1, logits=False):
+        return self.head.forward(tokens[:1], self.row, logits=logits)
+
+    def rollback(self, pos: int) -> str:
+        self.head.truncate(pos)
+        return "truncate"

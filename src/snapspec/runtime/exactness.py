@@ -1,0 +1,168 @@
+"""Whether this CPU's int4 kernels give a k-row MatMulNBits call the bits of k one-row calls, and what runs where not.
+
+Greedy speculation equals plain decoding when a k-token verify forward gives the bits of k one-token steps. At
+accuracy level 4 (int8 activations), onnxruntime's MLAS picks its kernel by instruction set and by row count: on
+AVX2 a one-row call with a block of 32 or more takes a kernel of its own, which sums a row in another order than
+the several-row kernel (that one folds zero points in through block sums). The last bits differ, the next layer's
+int8 rounding of its activations turns that into steps of 1/127, and pair-a's block-32 target drifted by 1.6e-2 in
+a recurrent state and left plain greedy output at token 10 of a prompt. AVX-512 has no such branch; block 16 has
+none on AVX2; Arm NEON's level-4 path is not bitwise by reading its source. Blocks of 64 or more differ everywhere.
+
+So the runtime does not trust a table of instruction sets: it asks the kernels. `probe` runs a small MatMulNBits
+graph of the export's block size and level, R rows against R one-row calls, on this machine, once per process.
+Where they differ, `load_graph` gives onnxruntime the graph with every MatMulNBits at level 1 (float32 math),
+rewritten in memory (the folder is not touched, nothing is re-exported). Level 1's k-row and one-row results differ
+in the last bits too (one row takes a dot-product kernel, several rows dequantize and run SGEMM), but nothing
+re-quantizes activations, so they stay at float32 rounding, as an fp32 export's do; measured on pair-a, block 32 at
+level 1 kept greedy speculative == plain on every prompt (docs/benchmarks/cpu.md, "int4 exactness").
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+log = logging.getLogger("snapspec")
+
+FALLBACK_LEVEL = 1  # float32 math: differences between row counts stay at float32 rounding
+PROBE_K, PROBE_N = 512, 70  # K holds whole blocks of every supported size; N leaves a tail past 4-column tiles
+PROBE_ROWS = 9  # a verify forward's rows at the default draft window (W + 1)
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"  # where a graph given as bytes finds data
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the probe saw for one (block size, level) on this machine."""
+
+    block_size: int
+    level: int
+    bitwise: bool  # every k-row result (k = 2..rows) equals the one-row results bit for bit
+    max_abs: float  # largest difference seen
+    rows: int
+
+    def describe(self) -> str:
+        head = f"int4 block {self.block_size}, accuracy level {self.level}"
+        if self.bitwise:
+            return f"{head}: k-row results equal one-row results bit for bit on this CPU"
+        return f"{head}: k-row results differ from one-row results on this CPU (up to {self.max_abs:.1e})"
+
+    def as_dict(self) -> dict:
+        return {"block_size": self.block_size, "accuracy_level": self.level, "bitwise": self.bitwise,
+                "max_abs_diff": self.max_abs, "rows": self.rows, "cpu": cpu_name(),
+                "onnxruntime": ort.__version__}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def probe_graph(block_size: int, level: int, k: int = PROBE_K, n: int = PROBE_N) -> bytes:
+    """One MatMulNBits node, X [1, T, K] -> Y [1, T, N], over seeded random int4 weights: packed nibbles, scales and
+    zero points drawn directly in the export's layout (export/quant.py; importing the exporter would cost more than
+    the probe)."""
+    rng = np.random.default_rng(0)
+    kb = k // block_size
+    packed = rng.integers(0, 256, (n, kb, block_size // 2), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, n * kb).astype(np.float32)
+    zeros = rng.integers(0, 256, n * ((kb + 1) // 2), dtype=np.uint8)
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales, "scales"),
+             numpy_helper.from_array(zeros, "zero_points")]
+    node = helper.make_node("MatMulNBits", ["X", "B", "scales", "zero_points"], ["Y"], domain="com.microsoft",
+                            K=k, N=n, bits=4, block_size=block_size, accuracy_level=level)
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, "T", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, "T", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+@functools.lru_cache(maxsize=None)
+def probe(block_size: int, level: int, threads: int | None = None, rows: int = PROBE_ROWS) -> Verdict:
+    """Run the probe graph on CPU: each k = 2..rows rows at once against the same rows one at a time."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    session = ort.InferenceSession(probe_graph(block_size, level), opts, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).standard_normal((1, rows, PROBE_K)).astype(np.float32)
+    bitwise, worst = compare_rows(lambda rows_in: session.run(None, {"X": rows_in})[0], x)
+    return Verdict(block_size, level, bitwise, worst, rows)
+
+
+def compare_rows(run, x: np.ndarray) -> tuple[bool, float]:
+    """(bitwise, largest difference) of run(x[:, :k]) against run on each row alone, k = 2..R; x is [1, R, K]."""
+    one = np.concatenate([run(x[:, i:i + 1]) for i in range(x.shape[1])], axis=1)
+    worst, bitwise = 0.0, True
+    for k in range(2, x.shape[1] + 1):
+        many = run(x[:, :k])
+        bitwise &= bool(np.array_equal(many, one[:, :k]))
+        worst = max(worst, float(np.abs(many - one[:, :k]).max()))
+    return bitwise, worst
+
+
+def matmul_nbits(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+
+
+def _attr(node: onnx.NodeProto, name: str, default: int = 0) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def graph_kinds(model: onnx.ModelProto) -> set[tuple[int, int]]:
+    """(block size, accuracy level) of every MatMulNBits node in the graph."""
+    return {(_attr(n, "block_size"), _attr(n, "accuracy_level")) for n in matmul_nbits(model)}
+
+
+def needs_fallback(model: onnx.ModelProto, threads: int | None) -> list[Verdict]:
+    """The probe verdicts that are not bitwise, for the (block, level) pairs above level 1 in the graph."""
+    return [v for v in (probe(b, lv, threads) for b, lv in sorted(graph_kinds(model)) if lv > FALLBACK_LEVEL)
+            if not v.bitwise]
+
+
+def at_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
+    """Set every MatMulNBits node's accuracy level (in place; returns the model)."""
+    for node in matmul_nbits(model):
+        attrs = [a for a in node.attribute if a.name == "accuracy_level"]
+        if attrs:
+            attrs[0].i = level
+        else:
+            node.attribute.append(helper.make_attribute("accuracy_level", level))
+    return model
+
+
+def load_graph(path: Path, opts: ort.SessionOptions, threads: int | None, who: str = "") -> tuple[str | bytes, str]:
+    """What to give onnxruntime for the CPU graph at `path`: the path itself, or, where this CPU's kernels are not
+    bitwise across row counts at the graph's level, the graph's bytes at level 1 (opts then points onnxruntime at
+    the folder for the weights). Returns (path or bytes, a note: empty, or the one line that was logged)."""
+    try:
+        if path.stat().st_size > 1 << 30:  # a graph with inline weights: not an export of ours, left as it is
+            return str(path), ""
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # a missing or corrupt graph: onnxruntime's load says what is wrong with it
+        return str(path), ""
+    bad = needs_fallback(model, threads)
+    if not bad:
+        return str(path), ""
+    opts.add_session_config_entry(EXTERNAL_FOLDER, str(path.parent))
+    worst = bad[0]
+    note = (f"{who}{worst.describe()}; running MatMulNBits at accuracy level {FALLBACK_LEVEL} (float32 math, slower) "
+            "so greedy speculation stays equal to plain decoding" + (
+                "; re-export with the default --block-size 16 for int8 speed" if worst.block_size > 16 else ""))
+    log.warning(note)
+    return at_level(model, FALLBACK_LEVEL).SerializeToString(), note

@@ -1,0 +1,102 @@
+"""The chat front door: what a generation starts from, for every caller (generate(), `generate --chat`, ChatSession
+and `snapspec chat`, `snapspec serve`).
+
+A FrontDoor turns messages, text or token ids into a Prompt: the token ids, where the conversation before its
+generation prompt ends (a PromptCache marks the state there), and the end-of-turn tokens a reply stops at.
+
+- Messages with a chat template: the template with the generation prompt (template.py). The reply stops at the
+  export's EOS ids and at the tokenizer config's eos_token, which chat models set to their end-of-turn token
+  (<|im_end|>) while generation_config.json may list only end-of-text.
+- Messages with plain=True (`--no-chat-template`): the contents joined as plain text, BOS as the tokenizer adds it;
+  the model continues the text. Same stops.
+- Messages to a model without a chat template (a base model) and plain=False: NoChatTemplate, a one-line error that
+  says why and what to use instead. There is no invented fallback format: a base model was not trained on one, and
+  text it continues from a made-up "User:/Assistant:" layout would pass for the model's chat behaviour.
+- Text or token ids: plain continuation, no end-of-turn stops (a base model's normal use; /v1/completions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from snapspec import SnapspecError
+
+from .template import ChatFormat, normalize_messages
+
+
+class NoChatTemplate(SnapspecError):
+    """Messages given to a model folder without a chat template."""
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    base: int  # tokens of the conversation before its generation prompt (text: all but the last)
+    stop_ids: set[int] = field(default_factory=set)  # end-of-turn tokens, stopped at beside the export's EOS
+
+    def add_stops(self, gen) -> None:
+        """Make a Generator over these ids stop at the end-of-turn tokens too (unless it ignores EOS)."""
+        if gen.eos:  # empty when asked to ignore EOS
+            gen.eos |= self.stop_ids
+
+
+class FrontDoor:
+    """How one model turns messages, text and token ids into a Prompt (module doc)."""
+
+    def __init__(self, model, *, plain: bool = False):
+        """plain: render messages as their contents joined (no chat template), as `--no-chat-template`."""
+        self.model = model
+        self.format = ChatFormat.from_folder(model.folder, model.tokenizer)
+        self.plain = plain
+
+    @property
+    def takes_messages(self) -> bool:
+        return self.plain or self.format.has_template
+
+    def require_chat(self) -> None:
+        """Raise NoChatTemplate unless messages can be rendered (for commands that only chat)."""
+        if not self.takes_messages:
+            raise NoChatTemplate(f"{self.model.folder.name} has no chat template (chat_template.jinja or "
+                                 "chat_template in tokenizer_config.json), so it is a base model or its template "
+                                 "was not exported: chat needs a template to mark the turns. Use plain text "
+                                 "(generate without --chat, /v1/completions), or --no-chat-template to join the "
+                                 "messages as plain text")
+
+    def chat(self, messages, **template_kwargs) -> Prompt:
+        """The prompt of a reply to `messages` ({role, content}); template_kwargs reach the template
+        (enable_thinking)."""
+        self.require_chat()
+        if self.plain:
+            ids = self.format.encode_text("".join(_text(m.get("content", ""))
+                                                  for m in normalize_messages(messages)))
+            return Prompt(ids, max(len(ids) - 1, 0), self.format.end_of_turn_ids)
+        ids = self.format.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
+        done = self.format.encode_chat(messages, add_generation_prompt=False, **template_kwargs)
+        return Prompt(ids, max(min(common_prefix(ids, done), len(ids) - 1), 0), self.format.end_of_turn_ids)
+
+    def text(self, text: str | list[int]) -> Prompt:
+        """Plain continuation of text (BOS / EOS as the tokenizer's post-processor adds them) or of token ids."""
+        ids = self.format.encode_text(text) if isinstance(text, str) else [int(t) for t in text]
+        return Prompt(ids, max(len(ids) - 1, 0))
+
+
+def is_messages(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _text(content) -> str:
+    """A message's text: a string, or OpenAI-style parts [{"type": "text", "text": ...}] joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    raise SnapspecError("message content must be a string or a list of text parts")

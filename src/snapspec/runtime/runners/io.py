@@ -1,0 +1,26 @@
+"""What a context's forward graph takes and gives, read once from its session and shared by the runners."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+
+
+class GraphIO:
+    def __init__(self, model):
+        session = model.session
+        # logits_to_keep is an overridable initializer (default: every row), which onnxruntime lists apart
+        inputs = {i.name for i in session.get_inputs() + session.get_overridable_initializers()}
+        self.outputs = {o.name: o for o in session.get_outputs()}
+        self.keeps_rows = "logits_to_keep" in inputs  # the graph computes only the kept rows
+        self.argmax_in_graph = "next_tokens" in self.outputs
+        self._packed = model.manifest.rollback_data or {}
+
+    def shape(self, name: str, t: int, keep: int) -> tuple[list[int], type]:
+        """A graph output's shape for a call of t tokens keeping `keep` rows, from the graph's own dimensions."""
+        o = self.outputs[name]
+        sizes = {"batch": 1, "sequence": t, "kept": keep if self.keeps_rows else t,
+                 "rollback_rows": min(t, int(self._packed.get("rows") or t))}
+        dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
+        return dims, _DTYPES[o.type]

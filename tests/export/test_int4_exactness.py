@@ -1,0 +1,145 @@
+"""int4 exactness on any CPU: the default block and level, the warning for a choice that is not exact somewhere, the
+load-time probe (runtime/exactness.py) and its level-1 fallback, forced here so that it runs whatever this CPU is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import pytest
+
+from paths import PAIR_A
+from snapspec.export.graph import inexact_choice, int4_block_size
+from snapspec.runtime import contract, exactness, model as runtime_model
+
+MODEL = "qwen3_5_text"
+
+
+def levels(folder) -> set[tuple[int, int]]:
+    return exactness.graph_kinds(onnx.load(str(folder / "model.onnx"), load_external_data=False))
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "snapspec"]
+
+
+@pytest.fixture
+def inexact(monkeypatch):
+    """Make the probe report every level above 1 as not bitwise, as AVX2's kernels do at block 32."""
+    def fake(block_size, level, threads=None, rows=exactness.PROBE_ROWS):
+        return exactness.Verdict(block_size, level, False, 1e-6, rows)
+    monkeypatch.setattr(exactness, "probe", fake)
+
+
+@pytest.mark.parametrize("dtype, block, level", [("float32", 16, 4), ("float16", 32, 1)])
+def test_default_block_and_level(dtype, block, level, tiny_export):
+    """float32 + int4: block 16 at level 4, and the manifest says what the export machine's kernels did; float16
+    (GPU providers) keeps block 32 at level 1."""
+    from snapspec import manifest
+
+    folder = tiny_export(MODEL, dtype=dtype, quant="int4")
+    assert int4_block_size(dtype) == block and levels(folder) == {(block, level)}
+    e = manifest.load(folder, verify=True).data["export"]
+    assert (e["block_size"], e["int4_accuracy_level"]) == (block, level)
+    ex = e["int4_exactness"]
+    assert (ex["block_size"], ex["accuracy_level"]) == (block, level)
+    assert {"bitwise", "cpu", "onnxruntime", "max_abs_diff"} <= set(ex["export_machine"])
+
+
+@pytest.mark.parametrize("asked, warned", [(dict(block_size=32), True), (dict(block_size=64, int4_accuracy=4), True),
+                                          (dict(block_size=16), False), (dict(block_size=32, int4_accuracy=1), False),
+                                          ({}, False)])
+def test_explicit_inexact_choice_warns_once(asked, warned, tiny_model, tmp_path, caplog):
+    from snapspec.export import export
+
+    with caplog.at_level(logging.WARNING, logger="snapspec"):
+        export(tiny_model(MODEL), tmp_path / "out", quant="int4", log=lambda *a: None, **asked)
+    said = [m for m in warnings_of(caplog) if "not exact" in m]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        assert f"block {asked['block_size']}" in said[0] and "\n" not in said[0]
+
+
+def test_inexact_choices():
+    assert inexact_choice(16, 4) is None and inexact_choice(32, 1) is None and inexact_choice(128, 1) is None
+    assert "AVX2" in inexact_choice(32, 4) and inexact_choice(64, 4) and inexact_choice(128, 4)
+
+
+def test_compare_rows_sees_a_row_count_dependence():
+    """The probe's comparison: a kernel whose result depends on the row count is caught, one that does not is not."""
+    x = np.random.default_rng(0).standard_normal((1, 5, 8)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((8, 3)).astype(np.float32)
+    assert exactness.compare_rows(lambda a: a @ w, x) == (True, 0.0)
+    bitwise, worst = exactness.compare_rows(lambda a: a @ w + np.float32(1e-3) * (a.shape[1] > 1), x)
+    assert not bitwise and worst == pytest.approx(1e-3, rel=1e-2)
+
+
+def test_probe_runs_the_exports_kernel():
+    v = exactness.probe(16, 4, threads=1)
+    assert (v.block_size, v.level, v.rows) == (16, 4, exactness.PROBE_ROWS)
+    assert v.bitwise == (v.max_abs == 0.0) and "block 16, accuracy level 4" in v.describe()
+
+
+def test_inexact_cpu_runs_level_1(inexact, tiny_export, caplog):
+    """Where the probe says level 4 is not bitwise, the folder's graph runs at level 1 (rewritten in memory: the
+    folder stays as it was): the same logits, bit for bit, as the same weights exported at level 1; a k-token forward
+    equals k one-token forwards within the float32 tolerance; greedy speculation equals plain; one warning line."""
+    folder, level1 = tiny_export(MODEL, quant="int4"), tiny_export(MODEL, quant="int4", int4_accuracy=1)
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    with caplog.at_level(logging.WARNING, logger="snapspec"):
+        fallback = runtime_model.load(folder, threads=1)
+    said = [m for m in warnings_of(caplog) if "accuracy level 1" in m]
+    assert len(said) == 1 and "not bitwise" not in said[0] and "differ" in said[0] and said[0] in fallback.notes
+    reference = runtime_model.load(level1, threads=1)
+    ids = np.array([[3, 9, 1, 7, 4, 4, 2, 8, 5]], np.int64)
+    assert np.array_equal(_logits(fallback, ids), _logits(reference, ids))
+    assert contract.check_multi_vs_single(fallback).passed
+    drafter = runtime_model.load(folder, threads=1, role="drafter", spin=False)
+    check = contract.check_spec_equals_plain(fallback, drafter, ks=(1, 3, 8), new_tokens=12)
+    assert check.passed, check.detail
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    assert levels(folder) == {(16, 4)}  # the folder's graph is untouched
+
+
+def _logits(m, ids: np.ndarray) -> np.ndarray:
+    from snapspec.runtime.pair import open_context
+    return open_context(m, 64).forward(ids[0].tolist()).logits
+
+
+def test_bitwise_cpu_runs_the_folder_as_is(monkeypatch, tiny_export, caplog):
+    monkeypatch.setattr(exactness, "probe",
+                        lambda b, lv, threads=None, rows=9: exactness.Verdict(b, lv, True, 0.0, rows))
+    with caplog.at_level(logging.WARNING, logger="snapspec"):
+        m = runtime_model.load(tiny_export(MODEL, quant="int4"), threads=1)
+    assert not m.notes and not warnings_of(caplog)
+
+
+def test_level_1_export_is_not_probed(monkeypatch, tiny_export):
+    def refuse(*a, **k):
+        raise AssertionError("level 1 needs no probe")
+    monkeypatch.setattr(exactness, "probe", refuse)
+    assert not runtime_model.load(tiny_export(MODEL, quant="int4", int4_accuracy=1), threads=1).notes
+
+
+def test_info_shows_this_cpus_probe(tiny_export):
+    from snapspec.cli.info import describe, render
+
+    info = describe(tiny_export(MODEL, quant="int4"))
+    here = info["int4_exactness_here"]
+    assert (here["block_size"], here["accuracy_level"]) == (16, 4) and isinstance(here["bitwise"], bool)
+    assert "this CPU" in render(info)
+    assert describe(tiny_export(MODEL))["int4_exactness_here"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PAIR_A.exists(), reason=f"{PAIR_A} is absent (the trained benchmark pair)")
+def test_pair_a_int4_default_is_exact(tmp_path):
+    """pair-a's target in the default int4 export: an 8-token forward equals 8 one-token forwards on this CPU (through
+    the probe's level-1 fallback where its kernels need it)."""
+    from snapspec.export import export
+
+    export(PAIR_A / "target", tmp_path / "t", quant="int4", log=lambda *a: None)
+    check = contract.check_multi_vs_single(runtime_model.load(tmp_path / "t", threads=2))
+    assert check.passed, check.detail

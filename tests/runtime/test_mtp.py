@@ -1,0 +1,479 @@
+"""MTP drafting (drafters/mtp.py): the drafter's bookkeeping against a fresh head fed the whole history, the sampled
+law with MTP drafts, and (with an exported head) greedy MTP speculation equal to plain greedy decoding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from snapspec import SnapspecError
+from snapspec.runtime import SamplingParams, Stats
+from snapspec.runtime.drafters.mtp import MtpDrafter
+from snapspec.runtime.drafters.mtp_head import HeadRows
+
+H = 6
+
+
+class FakeHead:
+    """A NumPy head behind OnnxHead's interface. Each row's output mixes its token, its hidden, its position and an
+    attention-like mean over the KV rows before it, so a stale or misplaced KV row, a wrong pairing of token and
+    hidden, or a wrong position changes the drafts. Its KV is a fixed buffer that truncation leaves as it was (the
+    next forward overwrites it), as the real one."""
+
+    def __init__(self, vocab: int, max_len: int = 256, seed: int = 0):
+        r = np.random.default_rng(seed)
+        self.embed = r.normal(size=(vocab, H))
+        self.mix = r.normal(size=(H, H)) / np.sqrt(H)
+        self.kv = np.full((max_len, H), np.nan)
+        self.max_len, self.n_past, self.calls = max_len, 0, 0
+        self.hidden_size = H
+
+    def reset(self):
+        self.n_past = 0
+
+    def truncate(self, pos):
+        assert 0 <= pos <= self.n_past
+        self.n_past = pos
+
+    def forward(self, ids, hidden, logits=False):
+        assert len(ids) == len(hidden) >= 1 and self.n_past + len(ids) <= self.max_len
+        self.calls += 1
+        outs = []
+        for t, h in zip(ids, hidden):
+            p = self.n_past
+            self.kv[p] = np.tanh(self.embed[t] + h @ self.mix + 0.1 * p)
+            self.n_past += 1
+            outs.append(np.tanh(self.kv[:p + 1].mean(axis=0) + self.kv[p]))
+        out = np.array(outs)
+        rows = out @ self.embed.T
+        return HeadRows(rows.argmax(axis=-1), rows if logits else None, out)
+
+
+def target_hidden(seq) -> np.ndarray:
+    """The fake target's hidden at the last position of seq: a function of the whole prefix."""
+    return np.random.default_rng(hash(tuple(seq)) % 2**32).normal(size=H)
+
+
+def rows_of(seq, start, end) -> SimpleNamespace:
+    """A target forward's Rows: hidden rows of positions start..end of seq."""
+    return SimpleNamespace(hidden=np.stack([target_hidden(seq[:p + 1]) for p in range(start, end + 1)]))
+
+
+def reference_draft(vocab, seq, k) -> list[int]:
+    """Drafts of a fresh head fed every pair (seq[p+1], h_p), p = 0..n-2, then chained k-1 steps."""
+    head = FakeHead(vocab)
+    n = len(seq)
+    rows = head.forward(seq[1:], np.stack([target_hidden(seq[:p + 1]) for p in range(n - 1)]))
+    out = [int(rows.ids[-1])]
+    for _ in range(k - 1):
+        rows = head.forward([out[-1]], rows.hidden[-1:])
+        out.append(int(rows.ids[-1]))
+    return out
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_drafts_equal_a_fresh_head_over_the_whole_history(checkpoint):
+    """Rounds with random acceptance, plain steps between them, a restart on a longer prompt (a second turn): every
+    draft equals that of a fresh head fed the whole sequence. checkpoint: verifies re-feed the tokens accepted since
+    the last checkpoint, as the Pair's checkpoint path does (more rows, from an earlier position)."""
+    vocab, rng = 50, np.random.default_rng(1)
+    drafter = MtpDrafter(head=FakeHead(vocab))
+    prompt = list(rng.integers(0, vocab, 9))
+    for turn in range(2):
+        st = Stats()
+        drafter.start(prompt, sampling=SamplingParams(), rng=rng, stats=st, prefill=rows_of(prompt, 0 if not turn
+                                                                                            else 5, len(prompt) - 1))
+        seq = prompt + [int(rng.integers(vocab))]
+        base = len(seq) - 1  # the target's position (a checkpoint's, on the checkpoint path)
+        for step in range(14):
+            if step % 5 == 4:  # a plain target step
+                drafter.accepted(0, rows_of(seq, len(seq) - 1, len(seq) - 1))
+                seq.append(int(rng.integers(vocab)))
+                base = len(seq) - 1
+                continue
+            k = int(rng.integers(1, 6))
+            draft = drafter.propose(seq, k)
+            assert draft.tokens == reference_draft(vocab, seq, k), (turn, step)
+            j = int(rng.integers(0, k + 1))
+            full = seq + draft.tokens
+            n = len(seq)
+            start = base if checkpoint else n - 1
+            mode = drafter.accepted(j, rows_of(full, start, n + k - 1))
+            assert mode == ("truncate" if k > 1 else None)
+            seq = full[:n + j] + [int(rng.integers(vocab))]
+            if not checkpoint:
+                base = len(seq) - 1
+        assert st.drafter_forwards > 0
+        prompt = seq + list(rng.integers(0, vocab, 4))  # the next turn: the conversation so far and more
+
+
+class SubsetHead(FakeHead):
+    """A head with a draft vocabulary {0, 1, 2} (export/draft_vocab.py): float32's lowest logit elsewhere, as the
+    exported subset head emits."""
+
+    def forward(self, ids, hidden, logits=False):
+        rows = super().forward(ids, hidden, logits=True)
+        z = rows.logits.copy()
+        z[:, 3:] = np.finfo(np.float32).min
+        return HeadRows(z.argmax(-1), z if logits else None, rows.hidden)
+
+
+@pytest.mark.parametrize("head", [FakeHead, SubsetHead])
+def test_sampled_law_with_mtp_drafts(head):
+    """Synthetic target conditionals over 5 tokens (test_sampling.py); drafts sampled from a fake head's law, with
+    its q rows (also from a head that can draft only 3 of the 5 tokens). The first two emitted tokens follow the
+    target's joint law (5 sigma per cell)."""
+    from test_sampling import V
+    from test_sampling import _logits as _uncached
+
+    from snapspec.runtime.sampling import accept, probs
+
+    memo: dict = {}
+
+    def _logits(prefix):
+        key = tuple(prefix)
+        if key not in memo:
+            memo[key] = _uncached(0, prefix)
+        return memo[key]
+
+    params, k = SamplingParams(temperature=1.0, top_k=4, seed=0), 2
+    rng = np.random.default_rng(321)
+    prompt = [0, 1, 2, 3]
+    drafter = MtpDrafter(head=head(V))
+    n = 4000
+    counts = np.zeros((V, V))
+    for _ in range(n):
+        drafter.start(prompt, sampling=params, rng=rng, stats=Stats(), prefill=rows_of(prompt, 0, 3))
+        out = [int(rng.integers(V))]  # the prompt's first token; the law is checked on the next two
+        seq = prompt + out
+        emitted: list[int] = []
+        while len(emitted) < 2:
+            draft = drafter.propose(seq, k)
+            assert len(draft.q) == k
+            rows = np.stack([_logits(emitted + draft.tokens[:i]) for i in range(k + 1)])
+            j, nxt = accept(draft.tokens, draft.q, rows, params, rng)
+            drafter.accepted(j, rows_of(seq + draft.tokens, len(seq) - 1, len(seq) + k - 1))
+            emitted += draft.tokens[:j] + [nxt]
+            seq += draft.tokens[:j] + [nxt]
+        counts[emitted[0], emitted[1]] += 1
+    first = probs(_logits([]), params)
+    exact = np.array([[first[a] * probs(_logits([a]), params)[b] for b in range(V)] for a in range(V)])
+    sigma = np.sqrt(exact * (1 - exact) / n)
+    assert np.all(np.abs(counts / n - exact) <= 5 * sigma + 1e-9), np.max(np.abs(counts / n - exact) / sigma)
+    assert np.all(counts[exact == 0] == 0)
+
+
+def test_hidden_rows_are_required():
+    drafter = MtpDrafter(head=FakeHead(10))
+    with pytest.raises(SnapspecError, match="no hidden rows"):
+        drafter.start([1, 2, 3], sampling=SamplingParams(), rng=np.random.default_rng(0), stats=Stats(),
+                      prefill=SimpleNamespace(hidden=None))
+
+
+# -- exported models ------------------------------------------------------------------------------------------------
+
+def test_a_folder_without_a_head_is_one_line_error(tiny_export, capsys):
+    """drafter="mtp" on an export without mtp.*: a SnapspecError naming the folder; the CLI prints one line."""
+    from snapspec.cli.main import main
+    from snapspec.runtime import generate, load
+
+    folder = tiny_export("qwen3")
+    t = load(folder, threads=1)
+    with pytest.raises(SnapspecError, match="has no MTP head: export a checkpoint with mtp"):
+        generate(t, [1, 2, 3], drafter="mtp", max_new_tokens=4)
+    capsys.readouterr()
+    assert main(["generate", "--target", str(folder), "--drafter", "mtp", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no MTP head" in err and len(err.splitlines()) == 1, err
+    assert main(["web", "--target", str(folder), "--drafter", "mtp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "has no MTP head" in err and len(err.splitlines()) == 1, err
+
+
+ARCHS = ("qwen3_5_text", "qwen3_5_moe", "qwen3_next")
+PROMPT = "def forward(self, x):\n    return"
+
+
+def echo_head(folder: Path) -> Path:
+    """Make the checkpoint's MTP head echo the target: fc passes the hidden half through, the layer adds nothing
+    (o_proj and down_proj zero), every (1 + w) norm is plain. Its logits at p are then the target's own at p (up to
+    a positive scale), so its drafts repeat the last token: on a model that repeats tokens they are accepted, and the
+    rounds accept some, all or none of k."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(str(path))
+    for name, v in tensors.items():
+        if not name.startswith("mtp."):
+            continue
+        if name == "mtp.fc.weight":
+            d = v.shape[0]
+            tensors[name] = torch.cat([torch.zeros(d, d), torch.eye(d)], 1).to(v.dtype)
+        elif name.split(".")[-2] in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "input_layernorm",
+                                     "post_attention_layernorm", "o_proj", "down_proj") or "down_proj" in name:
+            tensors[name] = torch.zeros_like(v)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def headed(tiny_model, tmp_path_factory):
+    """headed(arch, rollback, echo, init) -> the target loaded from an export of a tiny checkpoint with an MTP head:
+    random, or echoing the target (echo_head); init: the tiny model's initializer range (0.05: it repeats tokens)."""
+    import shutil
+
+    from snapspec.export import export
+    from snapspec.runtime import load
+
+    folders, loaded = {}, {}
+
+    def get(arch: str, rollback: str = "auto", echo: bool = False, init: float | None = None,
+            dtype: str = "float32", ep: str = "cpu", cuda_graph: int = 0, quant: str = "none"):
+        key = (arch, echo, init, dtype, quant)
+        if key not in folders:
+            root = tmp_path_factory.mktemp(f"mtp-{arch}")
+            hf = tiny_model(arch, mtp=True, **({"initializer_range": init} if init else {}))
+            if echo:
+                hf = echo_head(Path(shutil.copytree(hf, root / "hf")))
+            folders[key] = root / "out"
+            export(hf, folders[key], dtype=dtype, quant=quant, log=lambda *a: None)
+        run = key + (rollback, ep, cuda_graph)
+        if run not in loaded:
+            loaded[run] = load(folders[key], ep, threads=1 if ep == "cpu" else None, rollback=rollback,
+                               cuda_graph=cuda_graph)
+        return loaded[run]
+
+    return get
+
+
+class Recording(MtpDrafter):
+    """An MtpDrafter that keeps (seq, draft) of every round."""
+
+    def __init__(self, target):
+        super().__init__(target)
+        self.rounds = []
+
+    def propose(self, seq, k):
+        draft = super().propose(seq, k)
+        self.rounds.append((list(seq), list(draft.tokens)))
+        return draft
+
+
+@pytest.mark.parametrize("arch,init", [(a, None) for a in ARCHS] + [("qwen3_5_text", 0.05)])
+def test_greedy_mtp_speculation_equals_plain(headed, arch, init):
+    """Greedy speculation with MTP drafts (an echoing head: some rounds accept part of the draft; on the repeating
+    model, most accept all of it) emits the plain greedy tokens for k = 1..8 under every rollback mode of the target
+    that runs on CPU (auto, replay, checkpoint; window is CUDA-only); the head rolls back by truncation."""
+    from snapspec.runtime import Generator
+
+    accepted = 0
+    for rollback in ("auto", "replay", "checkpoint"):
+        t = headed(arch, "auto" if rollback == "checkpoint" else rollback, echo=True, init=init)
+        prompt = t.encode(PROMPT)
+        plain = Generator(t, prompt, max_new_tokens=20, stop_at_eos=False).run()
+        for k in range(1, 9):
+            g = Generator(t, prompt, drafter="mtp", max_new_tokens=20, draft_max=k, rollback=rollback,
+                          stop_at_eos=False)
+            assert g.run() == plain, (rollback, k)
+            st = g.stats
+            assert st.rounds > 0 and st.drafted > 0
+            target_mode = "checkpoint" if rollback == "checkpoint" else "target:replay"
+            assert set(st.rollbacks) <= {target_mode, "drafter:truncate"}, st.rollbacks
+            assert (target_mode in st.rollbacks) == (rollback == "checkpoint" or st.accepted < st.drafted)
+            assert (st.rollbacks.get("drafter:truncate", 0) > 0) == (k > 1), st.rollbacks
+            # per position: every round checks position 1, and no position is accepted more often than checked
+            assert st.checked_at[1] == st.rounds and sum(st.accepted_at.values()) == st.accepted
+            assert all(st.accepted_at[i] <= n for i, n in st.checked_at.items())
+            accepted += st.accepted
+    if init:  # the repeating model: rounds accept whole drafts
+        assert accepted > 100, accepted
+
+
+@pytest.mark.parametrize("dtype,quant", [("float16", "none"), ("float32", "int4")])
+def test_greedy_mtp_fp16_and_int4(headed, dtype, quant):
+    """The head exported in fp16 (hidden rows in fp16 both ways) and int4 drafts on CPU: output equals plain."""
+    from snapspec.runtime import Generator
+
+    t = headed("qwen3_5_text", echo=True, dtype=dtype, quant=quant)
+    prompt = t.encode(PROMPT)
+    plain = Generator(t, prompt, max_new_tokens=16, stop_at_eos=False).run()
+    for k in (1, 4):
+        g = Generator(t, prompt, drafter="mtp", max_new_tokens=16, draft_max=k, stop_at_eos=False)
+        assert g.run() == plain, k
+        assert g.stats.drafted > 0
+
+
+def test_drafts_equal_the_head_over_the_whole_history(headed):
+    """Each round's drafts equal those of a fresh head fed every pair (t_{p+1}, h_p) of the sequence, h from one
+    target forward over it: the hidden rows reach the head at the right positions, across rounds and rollbacks."""
+    from snapspec.runtime import Generator, open_context
+    from snapspec.runtime.drafters.mtp_head import OnnxHead
+
+    t = headed("qwen3_5_text")
+    drafter = Recording(t)
+    Generator(t, t.encode(PROMPT), drafter=drafter, max_new_tokens=16, draft_max=3, stop_at_eos=False).run()
+    assert len(drafter.rounds) >= 4
+    for seq, draft in drafter.rounds[:4]:
+        ctx = open_context(t, len(seq) + 1)
+        ctx.hidden = True
+        h = ctx.forward(seq[:-1], logits=False).hidden
+        head = OnnxHead(t, len(seq) + 4)
+        rows = head.forward(seq[1:], h)
+        want = [int(rows.ids[-1])]
+        for _ in range(len(draft) - 1):
+            rows = head.forward([want[-1]], rows.hidden[-1:])
+            want.append(int(rows.ids[-1]))
+        assert draft == want, (len(seq), draft, want)
+
+
+def test_sampled_mtp_generation_is_seeded(headed):
+    """Seeded sampling with MTP drafts: the same tokens with bounded rollback and with checkpoints (the random
+    stream is consumed identically), different with another seed; adaptive k measures the head's cost."""
+    from snapspec.runtime import Generator, SamplingParams
+
+    t = headed("qwen3_next")
+    prompt = t.encode(PROMPT)
+    runs = [Generator(t, prompt, drafter="mtp", max_new_tokens=24, draft_max=k,
+                      sampling=SamplingParams(0.9, 50, 0.95, seed=s), rollback=rb, stop_at_eos=False)
+            for s, rb, k in ((7, "auto", 3), (7, "checkpoint", 3), (8, "auto", 3), (7, "auto", "auto"))]
+    outs = [g.run() for g in runs]
+    assert outs[0] == outs[1] != outs[2]
+    assert runs[3].costs is not None and runs[3].costs.c > 0 and runs[3].stats.rounds > 0
+
+
+def test_chat_session_keeps_the_head(headed):
+    """A chat session with drafter="mtp": one MtpDrafter across turns; the second turn's reply equals plain
+    decoding's, and the head keeps the first turn's pairs."""
+    from snapspec.runtime import ChatSession
+
+    t = headed("qwen3_5_text")
+    plain, mtp = ChatSession(t, raw=True), ChatSession(t, "mtp", raw=True)
+    for text in ("Hello there", "and again"):
+        a = "".join(plain.reply(text, max_new_tokens=12, stop_at_eos=False))
+        b = "".join(mtp.reply(text, max_new_tokens=12, stop_at_eos=False, draft_max=3))
+        assert a == b
+    assert mtp.drafter.head.n_past > 12
+
+
+def test_cli_generate_bench_conformance_with_mtp(headed, tmp_path, capsys):
+    import json
+
+    from snapspec.cli.main import main
+
+    target = str(headed("qwen3_5_text").folder)
+    plain = ["generate", "--target", target, "--prompt", PROMPT, "--max-new-tokens", "16", "--json", "--threads", "1",
+             "--ignore-eos"]
+    assert main(plain) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(plain + ["--drafter", "mtp", "--draft-max", "auto"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["drafter"] == "mtp" and got["stats"]["drafted"] > 0
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--target", target, "--drafter", "mtp", "--prompts", str(prompts), "--k", "2", "--reps",
+                 "1", "--max-new-tokens", "12", "--threads", "1", "--rollback", "auto", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["drafters"] == ["mtp"] and r["cost_models"]["mtp"]["c"] > 0
+    assert all(0 <= a <= 1 for a in r["configs"][0]["acceptance_by_position"].values())
+    assert set(r["configs"][0]["acceptance_by_position"]) <= {"1", "2"}
+    capsys.readouterr()
+    assert main(["conformance", "--target", target, "--drafter", "mtp", "--threads", "1", "--new-tokens", "12",
+                 "--json", str(tmp_path / "c.json")]) == 0
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["passed"] and any(c["where"] == "pair" for c in report["checks"])
+
+
+@pytest.mark.parametrize("rollback,cuda_graph", [("auto", 0), ("replay", 0), ("auto", 4)])
+def test_greedy_mtp_on_cuda(headed, rollback, cuda_graph):
+    """On CUDA (fp16; auto: the target on the state-window graph; cuda_graph: its short forwards replayed from CUDA
+    graphs, their hidden rows read from the captured buffers): greedy MTP speculation equals plain greedy."""
+    from snapspec.runtime import Generator
+    from snapspec.runtime.providers import available
+
+    if "cuda" not in available():
+        pytest.skip(f"execution provider cuda is not available on this machine (available: {', '.join(available())})")
+    t = headed("qwen3_5_text", rollback, echo=True, dtype="float16", ep="cuda", cuda_graph=cuda_graph)
+    prompt = t.encode(PROMPT)
+    plain = Generator(t, prompt, max_new_tokens=24, stop_at_eos=False).run()
+    for k in (1, 3, 7):
+        g = Generator(t, prompt, drafter="mtp", max_new_tokens=24, draft_max=k, stop_at_eos=False)
+        assert g.run() == plain, k
+        assert g.stats.rounds > 0
+
+
+def test_resumed_target_context(headed, caplog):
+    """A second generation on the first one's target context: the same MtpDrafter resumes its head (no warning); a
+    new one has not seen the reused prefix's hidden rows, says so once, and its drafts stay verified (output equals
+    plain decoding either way)."""
+    import logging
+
+    from snapspec.runtime import Generator
+
+    t = headed("qwen3_5_text", echo=True)
+    prompt = t.encode(PROMPT)
+    first = Generator(t, prompt, drafter="mtp", max_new_tokens=10, draft_max=3, context=96, stop_at_eos=False)
+    first.run()
+    follow = first.seq + t.encode(" x")
+    plain = Generator(t, follow, max_new_tokens=10, stop_at_eos=False).run()
+    with caplog.at_level(logging.WARNING, logger="snapspec"):
+        same = Generator(t, follow, drafter=first.drafter, max_new_tokens=10, draft_max=3, target_ctx=first.tctx,
+                         stop_at_eos=False)
+        assert same.run() == plain and same.stats.prompt_reused > 0
+        assert "did not see" not in caplog.text
+        again = same.seq + t.encode(" y")
+        plain = Generator(t, again, max_new_tokens=10, stop_at_eos=False).run()
+        fresh = Generator(t, again, drafter="mtp", max_new_tokens=10, draft_max=3, target_ctx=first.tctx,
+                          stop_at_eos=False)
+        assert fresh.run() == plain and fresh.stats.prompt_reused > 0
+    assert caplog.text.count("did not see the target's hidden rows") == 1
+
+
+def test_cli_chat_with_mtp(headed):
+    """`snapspec chat --drafter mtp`, two turns piped in: the same replies as without a drafter."""
+    import subprocess
+    import sys
+
+    snapspec = str(Path(sys.executable).parent / "snapspec")
+    target = str(headed("qwen3_5_text", echo=True).folder)
+    outs = []
+    for drafting in ([], ["--drafter", "mtp", "--draft-max", "3"]):
+        done = subprocess.run([snapspec, "chat", "--target", target, "--no-chat-template", "--max-new-tokens", "8",
+                               "--ignore-eos", "--threads", "1", *drafting], input="def f(x):\nreturn x\n",
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stderr.count("[turn ") == 2, done.stderr
+        outs.append(done.stdout)
+    assert outs[0] == outs[1]
+    assert "drafter mtp" in done.stderr
+
+
+def test_fixed_address_target_forwards(headed):
+    """The target's forwards on the fixed-address path (what CUDA graphs replay; on CPU it runs without capture):
+    its hidden rows come from the buffers bound once per shape, and greedy MTP speculation still equals plain."""
+    from snapspec.runtime import Generator, open_context
+
+    t = headed("qwen3_5_text", echo=True)
+    prompt = t.encode(PROMPT)
+    plain = Generator(t, prompt, max_new_tokens=16, stop_at_eos=False).run()
+    for k in (1, 3):
+        tctx = open_context(t, 64, side="target", graph_tokens=8)
+        assert tctx.captured is not None
+        g = Generator(t, prompt, drafter="mtp", max_new_tokens=16, draft_max=k, target_ctx=tctx, stop_at_eos=False)
+        assert g.run() == plain, k
+        assert g.stats.drafted > 0
+
+
+def test_head_threads(headed):
+    """MtpDrafter(threads=N) (--drafter-threads for --drafter mtp) sizes the head session's pool; default: the
+    target's."""
+    t = headed("qwen3_5_text")
+    one, default = MtpDrafter(t, threads=1), MtpDrafter(t)
+    one.size(32)
+    default.size(32)
+    assert one.head.session.get_session_options().intra_op_num_threads == 1
+    assert default.head.session.get_session_options().intra_op_num_threads == (t.threads or 0)
