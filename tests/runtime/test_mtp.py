@@ -392,7 +392,8 @@ def test_cli_generate_bench_conformance_with_mtp(headed, tmp_path, capsys):
 @pytest.mark.parametrize("rollback,cuda_graph", [("auto", 0), ("replay", 0), ("auto", 4)])
 def test_greedy_mtp_on_cuda(headed, rollback, cuda_graph):
     """On CUDA (fp16; auto: the target on the state-window graph; cuda_graph: its short forwards replayed from CUDA
-    graphs, their hidden rows read from the captured buffers): greedy MTP speculation equals plain greedy."""
+    graphs, their hidden rows read from the captured buffers, and the head's greedy drafts chained on the device from
+    its own captured graphs): greedy MTP speculation equals plain greedy."""
     from snapspec.runtime import Generator
     from snapspec.runtime.providers import available
 
@@ -405,6 +406,7 @@ def test_greedy_mtp_on_cuda(headed, rollback, cuda_graph):
         g = Generator(t, prompt, drafter="mtp", max_new_tokens=24, draft_max=k, stop_at_eos=False)
         assert g.run() == plain, k
         assert g.stats.rounds > 0
+        assert g.drafter.head.chains == (cuda_graph > 0)
 
 
 def test_resumed_target_context(headed, caplog):
@@ -477,3 +479,78 @@ def test_head_threads(headed):
     default.size(32)
     assert one.head.session.get_session_options().intra_op_num_threads == 1
     assert default.head.session.get_session_options().intra_op_num_threads == (t.threads or 0)
+
+
+class ChainRecording(MtpDrafter):
+    """An MtpDrafter on the chained head (chain=True: on CPU the fixed-address path runs without capture) that keeps
+    (seq, draft, whether the draft came as device ids) of every round."""
+
+    def __init__(self, target, graph_limit: int | None = None):
+        super().__init__(target, chain=True)
+        self.graph_limit, self.rounds = graph_limit, []
+
+    def size(self, length):
+        super().size(length)
+        if self.graph_limit is not None:
+            self.head.limit = self.graph_limit
+
+    def propose(self, seq, k):
+        draft = super().propose(seq, k)
+        on_device = draft.device is not None
+        self.rounds.append((list(seq), list(draft.resolve()), on_device))
+        return draft
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chained_head_equals_plain_and_the_ordinary_head(headed, arch):
+    """Greedy drafts chained on the device (ChainedHead: the first step over the round's pairs, then k - 1 steps fed
+    the argmax and output hidden of the one before by device copies) reach the verify as device ids; the output
+    equals plain greedy for k = 1..8 with the target on the ordinary and the fixed-address path, and each round's
+    drafts equal those of an ordinary head fed the whole history."""
+    from snapspec.runtime import Generator, open_context
+    from snapspec.runtime.drafters.mtp_head import OnnxHead
+
+    t = headed(arch, echo=True)
+    prompt = t.encode(PROMPT)
+    plain = Generator(t, prompt, max_new_tokens=20, stop_at_eos=False).run()
+    for k in range(1, 9):
+        for fixed in (False, True):
+            tctx = open_context(t, 96, side="target", graph_tokens=8) if fixed else None
+            d = ChainRecording(t)
+            g = Generator(t, prompt, drafter=d, max_new_tokens=20, draft_max=k, target_ctx=tctx, context=96,
+                          stop_at_eos=False)
+            assert g.run() == plain, (k, fixed)
+            assert d.head.chains and d.rounds and all(dev for _, _, dev in d.rounds)
+            assert (g.stats.rollbacks.get("drafter:truncate", 0) > 0) == (k > 1)
+    seq, draft, _ = d.rounds[len(d.rounds) // 2]
+    ctx = open_context(t, len(seq) + 1)
+    ctx.hidden = True
+    h = ctx.forward(seq[:-1], logits=False).hidden
+    head = OnnxHead(t, len(seq) + 9)
+    rows = head.forward(seq[1:], h)
+    want = [int(rows.ids[-1])]
+    for _ in range(len(draft) - 1):
+        rows = head.forward([want[-1]], rows.hidden[-1:])
+        want.append(int(rows.ids[-1]))
+    assert draft == want
+
+
+def test_chained_head_past_its_graph_limit_and_when_sampling(headed):
+    """Rows past the chained head's limit go through an ordinary forward first (the output is unchanged); sampled
+    drafts take the ordinary steps (host logits) and give the same seeded tokens as the unchained head."""
+    from snapspec.runtime import Generator
+
+    t = headed("qwen3_5_text", echo=True)
+    prompt = t.encode(PROMPT)
+    plain = Generator(t, prompt, max_new_tokens=20, stop_at_eos=False).run()
+    d = ChainRecording(t, graph_limit=1)
+    assert Generator(t, prompt, drafter=d, max_new_tokens=20, draft_max=4, stop_at_eos=False).run() == plain
+    assert d.stats.accepted > 0 and all(dev for _, _, dev in d.rounds)
+    law = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, seed=7)
+    runs = []
+    for drafter in (ChainRecording(t), MtpDrafter(t, chain=False)):
+        g = Generator(t, prompt, drafter=drafter, max_new_tokens=20, draft_max=3, sampling=law,
+                      stop_at_eos=False)
+        runs.append(g.run())
+        assert not drafter.head.chains or not any(dev for _, _, dev in drafter.rounds)
+    assert runs[0] == runs[1]

@@ -74,7 +74,7 @@ class Context:
         self.stores = [s for s in (self.kv, self.recurrent) if s is not None]
         self._saved = SavedState(self.recurrent, self.device, self.copy) if self.recurrent else None
         self._checkpoint: int | None = None
-        self.io = GraphIO(model)
+        self.io = GraphIO(model.session, model.manifest.rollback_data)
         self.bound = BoundRunner(model, self.io, self.stores, self.max_len)
         self.graph_tokens = model.graph_tokens if graph_tokens is None else int(graph_tokens)
         self.captured = CapturedRunner(model, self.io, self.stores, self.stream, self.max_len, self.graph_tokens) \

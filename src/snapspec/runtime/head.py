@@ -62,8 +62,11 @@ def head_info(m: manifest.Manifest) -> dict:
     return m.data["mtp"]
 
 
-def load_head(model, *, threads: int | None = None, share: bool | None = None) -> Head:
+def load_head(model, *, threads: int | None = None, share: bool | None = None, cuda_graph: bool = False) -> Head:
     """The MTP head of a loaded target (runtime.model.Model), on the target's execution provider.
+
+    cuda_graph: on CUDA, a session that captures and replays CUDA graphs on snapspec's stream (the target's, when it
+    was loaded with `cuda_graph`), for the head's fixed-address steps (drafters/mtp_chain.py).
 
     share: give the head's session the initializers it shares with the target (embedding, output projection,
     rotary tables) as OrtValues made once (SessionOptions.add_initializer, `shared_values`). Default: share exactly
@@ -97,7 +100,8 @@ def load_head(model, *, threads: int | None = None, share: bool | None = None) -
     values = values if share else {}
     for name, value in values.items():
         opts.add_initializer(name, value)
-    _, providers = configure(ep, opts, allow_fallback=False)
+    graphs = cuda_graph and ep == "cuda"
+    _, providers = configure(ep, opts, allow_fallback=False, cuda_graph=graphs, shared_stream=graphs)
     path = m.graph_path("mtp")
     try:
         session = (ort.InferenceSession(str(path), opts) if providers is None

@@ -15,8 +15,12 @@ target's. The target rolls back as the Pair says (its modes are unchanged). When
 the head's distribution under the same sampling law as the target's (sampling.pick), and its q row goes with it.
 
 Adaptive k: the head's step cost is timed by adaptive.measure_costs, the same interleaved rounds as a drafter
-model's, through a small adapter that gives the head a context's forward/rollback. Greedy drafts are not chained on
-the device (CUDA graphs): each head step is a host-bound run.
+model's, through a small adapter that gives the head a context's forward/rollback.
+
+Chaining: with a target loaded with CUDA graphs (or `chain=True`), the head is a ChainedHead (drafters/mtp_chain.py):
+a greedy draft's k steps are queued as replayed fixed-address steps, each fed the argmax and output hidden of the one
+before on the device, and the draft reaches the round as device ids (Draft.device) that the target's verify reads
+where they are. Sampled and constrained drafts need logits on the host: they take the ordinary head steps.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from snapspec import SnapspecError
 
 from ..adaptive import Costs, measure_costs
 from .base import Draft, Drafter
+from .mtp_chain import ChainedHead
 from .mtp_head import OnnxHead, check_head
 
 log = logging.getLogger("snapspec")
@@ -43,17 +48,19 @@ class MtpDrafter(Drafter):
 
     wants_hidden = True
 
-    def __init__(self, target=None, head=None, threads: int | None = None):
+    def __init__(self, target=None, head=None, threads: int | None = None, chain: bool | None = None):
+        """chain: chain greedy drafts on the device (ChainedHead); default: when the target replays CUDA graphs."""
         if target is None and head is None:
             raise SnapspecError("MtpDrafter needs the target model (or a head)")
         if head is None:
             check_head(target)
         self.target, self.head = target, head
         self.threads = threads  # the head session's intra-op threads (None: the target's)
+        self.chain = bool(getattr(target, "graph_tokens", 0)) if chain is None else bool(chain)
         self._hidden: dict[int, np.ndarray] = {}  # the target's hidden rows not consumed yet, by position
         self._known: list[int] = []  # the committed sequence as last seen (resume across generations)
         self._round: tuple[int, int] | None = None  # (len(seq), k) of the last propose
-        self._draft: list[int] = []
+        self._draft = Draft([])
         self._end = 0  # where the next plain target step's rows end (the position of seq[-1])
         self._warned = False
 
@@ -62,7 +69,8 @@ class MtpDrafter(Drafter):
         if self.head is None or self.head.max_len < length:
             if self.target is None:
                 raise SnapspecError(f"the MTP head holds {self.head.max_len} positions, {length} asked")
-            self.head = OnnxHead(self.target, length, threads=self.threads)
+            kind = ChainedHead if self.chain else OnnxHead
+            self.head = kind(self.target, length, threads=self.threads)
             self._hidden, self._known = {}, []
 
     # -- the interface ----------------------------------------------------------------------------------------------
@@ -90,6 +98,17 @@ class MtpDrafter(Drafter):
 
     def propose(self, seq: list[int], k: int) -> Draft:
         n, st = len(seq), self.stats
+        self._known = list(seq)
+        self._round = (n, k)
+        if not self.wants_logits and getattr(self.head, "chains", False):  # greedy: k steps chained on the device
+            self._catch_up(seq, max(self.head.n_past, n - 1 - PREFILL_CHUNK))
+            p0 = self.head.n_past
+            hidden = np.stack([self._row(p) for p in range(p0, n - 1)])
+            self._draft = Draft([], device=self.head.draft(seq[p0 + 1:n], hidden, k))
+            for p in range(p0, n - 1):
+                self._hidden.pop(p, None)
+            st.drafter_forwards += k
+            return self._draft
         rows = self._catch_up(seq, n - 1, last=True)  # pairs up to n - 2: its last row predicts t_n
         tokens, q = [], []
         for i in range(k):
@@ -100,9 +119,8 @@ class MtpDrafter(Drafter):
             if i + 1 < k:
                 rows = self.head.forward([d], rows.hidden[-1:], logits=self.wants_logits)
                 st.drafter_forwards += 1
-        self._round, self._draft = (n, k), tokens
-        self._known = list(seq)
-        return Draft(tokens, q)
+        self._draft = Draft(tokens, q)
+        return self._draft
 
     def accepted(self, j: int, verify=None) -> str | None:
         hidden = getattr(verify, "hidden", None)
@@ -119,7 +137,7 @@ class MtpDrafter(Drafter):
             self.head.truncate(n - 1)
             mode = "truncate"
         self._store(hidden, n + k - 1, n + j - 1)  # rows past n + j - 1 saw rejected drafts
-        self._known += self._draft[:j]
+        self._known += self._draft.resolve()[:j]
         self._end = n + j
         return mode
 
@@ -128,7 +146,7 @@ class MtpDrafter(Drafter):
         model's (adaptive.measure_costs), through _HeadSteps."""
         if tctx.n_past + n_max > tctx.max_len or self.head.n_past + 2 > self.head.max_len:
             return None
-        return measure_costs(tctx, _HeadSteps(self.head, self._zero), n_max, reps=reps, tokens=tokens, chained=False)
+        return measure_costs(tctx, _HeadSteps(self.head, self._zero), n_max, reps=reps, tokens=tokens)
 
     # -- the head's bookkeeping -------------------------------------------------------------------------------------
     def _store(self, hidden: np.ndarray, end: int, keep_to: int) -> None:
@@ -172,10 +190,9 @@ class MtpDrafter(Drafter):
 class _HeadSteps:
     """The head as adaptive.measure_costs times a drafter context: forward one token, roll back by truncation."""
 
-    chains = False
-
     def __init__(self, head, row: np.ndarray):
         self.head, self.row = head, row[None]
+        self.chains = bool(getattr(head, "chains", False))
 
     @property
     def n_past(self) -> int:
@@ -183,6 +200,9 @@ class _HeadSteps:
 
     def forward(self, tokens, keep=1, logits=False):
         return self.head.forward(tokens[:1], self.row, logits=logits)
+
+    def draft(self, tokens, k: int):
+        return self.head.draft(tokens[:1], self.row, k)
 
     def rollback(self, pos: int) -> str:
         self.head.truncate(pos)

@@ -19,6 +19,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
+from ..cuda_graph import SKIP
 from ..state.kv import KVCache
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -42,11 +43,14 @@ class OnnxHead:
     """mtp.onnx (runtime/head.py opens it on the target's provider) over a KV cache of `max_len` positions; threads:
     its session's intra-op threads (default: the target's)."""
 
-    def __init__(self, model, max_len: int, threads: int | None = None):
+    chains = False  # greedy drafts chained on the device: ChainedHead (drafters/mtp_chain.py)
+
+    def __init__(self, model, max_len: int, threads: int | None = None, cuda_graph: bool = False):
         from ..head import load_head
 
         check_head(model)
-        head = load_head(model, threads=threads)
+        head = load_head(model, threads=threads, cuda_graph=cuda_graph)
+        self._options = SKIP if cuda_graph else None  # an ordinary run of a session that captures graphs
         self.session, self.model = head.session, model
         self.device = model.device
         self.max_len = int(max_len)
@@ -87,7 +91,7 @@ class OnnxHead:
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], self._keep.ctypes.data)
         for name in order[len(self.kv.outputs):]:  # bound afresh: each run allocates them, returned arrays stay valid
             b.bind_output(name, "cpu")
-        self.session.run_with_iobinding(b)
+        self.session.run_with_iobinding(b, self._options)
         outs = dict(zip(order, b.get_outputs()))
         self.n_past += t
         return HeadRows(outs["next_tokens"].numpy()[0].copy(),

@@ -1,4 +1,5 @@
-"""What a context's forward graph takes and gives, read once from its session and shared by the runners."""
+"""What a forward graph takes and gives, read once from its session and shared by the runners (a context's, and
+the MTP head's on the fixed-address path)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(i
 
 
 class GraphIO:
-    def __init__(self, model):
-        session = model.session
+    def __init__(self, session, rollback_data: dict | None = None):
         # logits_to_keep is an overridable initializer (default: every row), which onnxruntime lists apart
         inputs = {i.name for i in session.get_inputs() + session.get_overridable_initializers()}
         self.outputs = {o.name: o for o in session.get_outputs()}
         self.keeps_rows = "logits_to_keep" in inputs  # the graph computes only the kept rows
         self.argmax_in_graph = "next_tokens" in self.outputs
-        self._packed = model.manifest.rollback_data or {}
+        self._packed = rollback_data or {}
 
     def shape(self, name: str, t: int, keep: int) -> tuple[list[int], type]:
         """A graph output's shape for a call of t tokens keeping `keep` rows, from the graph's own dimensions."""
