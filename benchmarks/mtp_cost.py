@@ -7,6 +7,8 @@ benchmarks/checkpoints.py --mtp). On a context holding `--context-fill` tokens (
 each the median of `--reps` warm steps, each step rolled back after:
 - the target's one-token step without and with its `hidden` rows read to the host (what an MTP round pays);
 - the head's one-row step (input hidden on the host, ids / hidden out read back: runtime/drafters/mtp_head.py);
+- with --cuda-graph, also the head's chained step (runtime/drafters/mtp_chain.py: replayed graphs, argmax and hidden
+  passed on the device; a 4-token draft read once, per token);
 - the cost-model terms of adaptive k, C(n) for n = 1..k_max+1, c and r, as the runtime measures them for
   --drafter mtp (adaptive.measure_costs through the drafter's own _HeadSteps: target forwards in round order).
 c = head step / plain target step. The predicted speedup of a fixed k is E(k) / (C(k+1) + k c + r) with
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
     from snapspec.runtime import Context, load
     from snapspec.runtime.adaptive import measure_costs
     from snapspec.runtime.drafters.mtp import _HeadSteps
+    from snapspec.runtime.drafters.mtp_chain import ChainedHead
     from snapspec.runtime.drafters.mtp_head import OnnxHead
 
     t0 = time.perf_counter()
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
     prompt = rng.integers(1, 8000, a.context_fill).tolist()  # ids inside pair-a's tokenizer (the shapes' tokenizer)
     ctx.hidden = True
     rows = ctx.prefill(prompt, logits=False)
-    head = OnnxHead(model, length)
+    head = ChainedHead(model, length) if a.cuda_graph else OnnxHead(model, length)
     hid = rows.hidden
     head.forward(prompt[1:], hid[:-1])  # the head's KV over the prompt, ids shifted by one, as the drafter fills it
     row = hid[-1:]
@@ -106,10 +109,15 @@ def main(argv=None) -> int:
     plain = median_step(target_step(False), a.reps)
     with_hidden = median_step(target_step(True), a.reps)
     head_s = median_step(head_step, a.reps)
+
+    def chained_step():
+        head.draft([prompt[-1]], row, 4).read()
+        head.truncate(head.n_past - 4)
+    chained_s = median_step(chained_step, a.reps) / 4 if a.cuda_graph else None
     ctx.hidden = True
     # forwards the target can undo in place: a state-window target undoes W - 1 tokens of a forward, not W
     n_max = min(a.k_max, ctx.depth if ctx.recurrent else a.k_max) + 1
-    costs = measure_costs(ctx, _HeadSteps(head, row[0]), n_max, reps=max(3, a.reps // 4), chained=False)
+    costs = measure_costs(ctx, _HeadSteps(head, row[0]), n_max, reps=max(3, a.reps // 4))  # chained when it can
     acc = acceptance(a.acceptance)
     pred = {}
     for k in range(1, n_max):
@@ -126,13 +134,16 @@ def main(argv=None) -> int:
         "context_fill": a.context_fill, "reps": a.reps, "load_s": load_s,
         "target_step_s": plain, "target_step_hidden_s": with_hidden, "head_step_s": head_s,
         "c": head_s / plain, "c_vs_hidden_step": head_s / with_hidden,
+        "head_chained_step_s": chained_s, "c_chained": chained_s / plain if chained_s else None,
         "costs": {"C": costs.C, "c": costs.c, "r": costs.r, "step_seconds": costs.step_seconds},
         "acceptance_by_position": {str(k): v for k, v in (acc or {}).items()},
         "predicted": pred, "best_k": best[0] if best else None,
         "head_bytes": info.get("bytes"),
     }
     print(f"{a.label or a.target}: target step {plain * 1e3:.3f} ms ({with_hidden * 1e3:.3f} ms reading hidden), "
-          f"head step {head_s * 1e3:.3f} ms, c = {out['c']:.3f}; cost model c = {costs.c:.3f}, r = {costs.r:.3f}, "
+          f"head step {head_s * 1e3:.3f} ms, c = {out['c']:.3f}"
+          + (f", chained {chained_s * 1e3:.3f} ms, c = {out['c_chained']:.3f}" if chained_s else "")
+          + f"; cost model c = {costs.c:.3f}, r = {costs.r:.3f}, "
           f"C = {[round(x, 3) for x in costs.C]}")
     for k, v in pred.items():
         print(f"  k={k}: E={v['emitted']:.3f} cost={v['cost_units']:.3f} predicted {v['speedup']:.2f}x "

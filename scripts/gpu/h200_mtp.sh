@@ -14,6 +14,8 @@
 #                                                     (b) benchmarks/mtp_cost.py on the 4B, then the 9B export: the
 #                                                     head's step cost c and the speedup predicted at (a)'s
 #                                                     acceptance per position. Stops starting stages after SECS.
+#                                                     Between (a) and (b), the CUDA cases of tests/runtime/test_mtp.py
+#                                                     (TESTS=0 skips them).
 # The payloads are built by scripts/gpu/h200_mtp_payload.sh. Python: the machine's python3 (torch, onnx,
 # transformers, safetensors, tokenizers), snapspec from this checkout (PYTHONPATH, copied to /tmp/mtp/repo).
 # Knobs for a dry run on a CPU machine (defaults: the device run): EP=cpu GRAPHS=0 LIMIT=1 TOKENS=16 KS=1,2 SHAPES=""
@@ -113,8 +115,13 @@ cost() {  # cost SHAPE VOCAB
     --json $OUT/mtp-cost-$1-$2.json
 }
 
-export -f py bench cost
-export B R OUT EP GRAPHS LIMIT TOKENS KS VOCABS ACCEPT
+gpu_tests() {
+  cd $B && PYTHONPATH=$B/site:$repo/src python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider \
+    $repo/tests/runtime/test_mtp.py -k cuda
+}
+
+export -f py bench cost gpu_tests
+export B R OUT EP GRAPHS LIMIT TOKENS KS VOCABS ACCEPT repo
 
 case $cmd in
   start)
@@ -132,6 +139,9 @@ case $cmd in
       # (a) pair-a with CUDA graphs (the issue's H200 configuration)
       stage pair-a-mtp-graph $(( budget > 290 ? budget - 230 : 60 )) bench pair-a-mtp-graph $GRAPHS || log "graph bench failed: see mtp.log"
     fi
+    # the CUDA cases of tests/runtime/test_mtp.py (fp16 target on the state window, replay, CUDA graphs with the
+    # head's drafts chained on the device), while the real shapes are prepared
+    [ "${TESTS:-1}" = 1 ] && stage gpu-tests 150 gpu_tests
     # (b) the head's step cost at the 4B, then the 9B shape
     for s in $SHAPES; do for v in $VOCABS; do
       x=x-$s-$v
