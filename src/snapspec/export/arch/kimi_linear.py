@@ -29,6 +29,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from ..blocks import Decoder
+from ..blocks.mlp import row_stable_log
 from ..weights import Weights
 from .common import DecoderSpec, residual_stack
 from .nemotron_h import _route
@@ -185,7 +186,7 @@ def ffn(dec: Decoder, w: Weights, s: Spec, n: Names, x: str, i: int) -> str:
     with g.scope("mlp"):
         dense = _route(g, x, w.get(p + "gate.weight", (E, D)), w.get(p + f"gate.{n.bias}", (E,)), s)
         with g.scope("gate"):  # log(w) for the op's softmax, and sum(w) per token to undo its normalisation
-            logits = g.reshape(g.op("Log", [dense], "log_weights"), [-1, E], "log_weights_2d")
+            logits = g.reshape(row_stable_log(g, dense, E, "log_weights"), [-1, E], "log_weights_2d")
             total = g.op("ReduceSum", [dense, g.ints("last", [-1])], "weight_sum", keepdims=1)
         y = dec.moe(x, router_w=None, gate_w=gate_w, up_w=up_w, down_w=down_w, top_k=s.top_k,
                     normalize=s.norm_topk, logits=logits)

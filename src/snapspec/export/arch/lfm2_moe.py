@@ -19,6 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ..blocks import Decoder
+from ..blocks.mlp import row_stable_log
 from ..weights import Weights
 from . import lfm2
 
@@ -75,7 +76,7 @@ def _router(g, x: str, router_w, bias, s: Spec) -> tuple[str, str]:
                                                   keep_dtype=True)], "routed_scale")
         floor = g.op("Expand", [g.const("minus_inf", np.float32(-np.inf), keep_dtype=True),
                                 g.op("Shape", [scores], "Shape")], "minus_inf_rows")
-        routed = g.op("ScatterElements", [floor, top, g.op("Log", [weights], "log_weights")], "router_input",
+        routed = g.op("ScatterElements", [floor, top, row_stable_log(g, weights, s.top_k, "log_weights")], "router_input",
                       axis=-1)
         if g.onnx_dtype != F32:
             routed = g.op("Cast", [routed], "router_input_cast", to=g.onnx_dtype)

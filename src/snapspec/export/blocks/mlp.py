@@ -8,6 +8,24 @@ from ..graph import MS
 from ..lazy import combine, concat
 from ..quant import quantize_int4_stacked
 
+PAIRED = 32  # forwards of up to this many tokens (every step and verify) run each expert over two rows or more
+
+
+def row_stable_log(g, x: str, width: int, leaf: str) -> str:
+    """Log over the last axis (of `width`), the same bits for a row whatever the number of rows: onnxruntime's CPU
+    Log evaluates the flattened tensor in vector packets and its last few elements one by one, with another
+    rounding, so a row's results depended on where the tensor ended (a router of 2 or 6 experts: T * E is rarely
+    a whole number of packets). Padded with ones (log 1 = 0) to a multiple of 16 floats per row, every element falls
+    in a whole packet on AVX2 and AVX-512, then cut back."""
+    pad = -width % 16
+    if pad == 0:
+        return g.op("Log", [x], leaf)
+    one = g.op("CastLike", [g.const(f"{leaf}/one", np.float32(1.0), keep_dtype=True), x], f"{leaf}/one_like")
+    padded = g.op("Pad", [x, g.ints(f"{leaf}/pads", [0, pad]), one, g.ints(f"{leaf}/axes", [-1])], f"{leaf}/pad",
+                  mode="constant")
+    return g.op("Slice", [g.op("Log", [padded], leaf), g.ints(f"{leaf}/starts", [0]), g.ints(f"{leaf}/ends", [width]),
+                          g.ints(f"{leaf}/slice_axes", [-1])], f"{leaf}/cut")
+
 
 class Mlp:
     """SwiGLU and mixture-of-experts feed-forwards, as Decoder methods (a mixin)."""
@@ -18,6 +36,28 @@ class Mlp:
             gu = g.linear(x, concat([gate_w, up_w]), "gate_up_proj")
             gate, up = g.split(gu, [gate_w.shape[0], up_w.shape[0]], axis=-1)
             return g.linear(g.op("Mul", [g.silu(gate, "act"), up], "Mul"), down_w, "down_proj")
+
+    def _paired_rows(self, x: str, logits: str, n_exp: int) -> tuple[str, str, str]:
+        """The expert op's input with its first PAIRED rows appended again (their router logits too, flattened to
+        the op's [rows, E]), and x's row count to cut the output back to.
+
+        Why: onnxruntime's CPU MoE runs each expert as one GEMM over the rows routed to it, and MLAS takes another
+        kernel for a one-row GEMM than for several, which sums in another order. A one-token step gives every chosen
+        expert exactly one row, a verify forward several, so their results differed in the last bits (~1e-6) on
+        AVX2 and AVX-512 alike, and greedy speculation could leave plain decoding at a near-tie. With every row of a
+        forward of up to PAIRED tokens present twice, each expert sees at least two rows on both paths: bit for bit
+        equal (tests/export/test_export_parity.py). It costs a second pass of the same weights' arithmetic at
+        decoding, where an expert's weights are read once either way; a longer prefill pays for PAIRED extra rows."""
+        g = self.fwd
+        rows = g.op("Shape", [x], "experts/rows_in", start=1, end=2)
+        head = g.ints("experts/paired", [PAIRED])
+        def twice(t: str, leaf: str) -> str:
+            first = g.op("Slice", [t, g.ints(f"{leaf}/starts", [0]), head, g.ints(f"{leaf}/axes", [1])], f"{leaf}/first")
+            return g.op("Concat", [t, first], f"{leaf}/twice", axis=1)
+        lead = g.op("Shape", [x], "experts/lead", start=0, end=2)
+        logits = g.op("Reshape", [logits, g.op("Concat", [lead, g.ints("experts/n_exp", [n_exp])], "experts/shape3",
+                                                axis=0)], "gate/rows")
+        return twice(x, "experts/x"), g.reshape(twice(logits, "experts/logits"), [-1, n_exp], "gate/flat"), rows
 
     def moe(self, x: str, *, router_w, gate_w, up_w, down_w, top_k: int, normalize: bool,
             shared=None, shared_gate_w=None, logits: str | None = None) -> str:
@@ -51,7 +91,7 @@ class Mlp:
                           "gate/TopK", n_out=2, axis=-1)
             share = g.op("ReduceSum", [top, g.ints("gate/share_axis", [-1])], "gate/share", keepdims=1)
             normalize = True
-        logits = g.reshape(logits, [-1, n_exp], "gate/flat")
+        paired, logits, rows = self._paired_rows(x, logits, n_exp)
         attrs = dict(k=top_k, activation_type="swiglu", swiglu_fusion=1, normalize_routing_weights=int(normalize),
                      activation_alpha=1.0, activation_beta=0.0)
         bs = g.block_size
@@ -62,12 +102,13 @@ class Mlp:
             names = [g.const(n, a) for n, a in (("experts/fc1_q4", w1), ("experts/fc1_scales", s1),
                                                  ("experts/fc2_q4", w2), ("experts/fc2_scales", s2),
                                                  ("experts/fc1_zero_points", z1), ("experts/fc2_zero_points", z2))]
-            y = g.op("QMoE", [x, logits, names[0], names[1], "", names[2], names[3], "",
+            y = g.op("QMoE", [paired, logits, names[0], names[1], "", names[2], names[3], "",
                               "", "", "", names[4], names[5]], "experts/QMoE", domain=MS, expert_weight_bits=4,
                      block_size=bs, weights_prepacked=0, **attrs)
         else:
-            y = g.op("MoE", [x, logits, g.const("experts/fc1", fc1), "", g.const("experts/fc2", down_w), ""],
+            y = g.op("MoE", [paired, logits, g.const("experts/fc1", fc1), "", g.const("experts/fc2", down_w), ""],
                      "experts/MoE", domain=MS, **attrs)
+        y = g.op("Slice", [y, g.ints("experts/starts", [0]), rows, g.ints("experts/axes", [1])], "experts/rows")
         if share is not None:
             y = g.op("Mul", [y, share], "experts/share")
         if shared is not None:
