@@ -59,7 +59,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            adapters without shader-f16 (SwiftShader, some older GPUs) need in the browser.
     int4_accuracy: MatMulNBits accuracy level, 1 (float32 math) or 4 (int8 activations); default
            (graph.int4_accuracy_level): 4 for float32 exports (the CPU path), 1 for float16 and for models with
-           mixture-of-experts layers. A level asked for is kept. onnxruntime-web computes in float32: export level 1
+           sliding-window attention. A level asked for is kept. onnxruntime-web computes in float32: export level 1
            for a page whose results must equal Python onnxruntime's.
     rollback_window: W, the deepest rollback the runtime provides without a checkpoint (draft length <= W).
     max_context: positions the graph supports (default: the config's max_position_embeddings, at most 32768).
@@ -217,7 +217,7 @@ def _build(opts: _Options, module, spec, weights: Weights, ckpt: Checkpoint, ctx
     dec.finish(rows=opts.rollback_window)
     head = mtp.build(module, dec, weights, spec, ckpt, ctx, draft_ids) if head_wanted else None
     weights.check_covered()
-    level = _experts_accuracy_level(dec.fwd, opts.dtype, opts.int4_accuracy, log)
+    level = _windowed_accuracy_level(dec.fwd, opts.dtype, opts.int4_accuracy, log)
     if opts.quant == "int4" and opts.int4_asked:
         _warn_inexact(opts.block_size, level)
     if head is not None:
@@ -299,26 +299,26 @@ def _warn_inexact(block_size: int, level: int) -> None:
         logging.getLogger("snapspec").warning(why)
 
 
-def _experts_accuracy_level(g: Graph, dtype: str, asked: int | None, log) -> int:
-    """The accuracy level of the forward's MatMulNBits nodes once it is built. A graph with mixture-of-experts nodes
-    takes int4_accuracy_level's level for experts unless --int4-accuracy asked for one, which is kept (onnxruntime
-    runs either); a log line says which. Sliding-window attention likewise: onnxruntime's CPU GroupQueryAttention
-    sums a windowed row's probabilities times values from another offset in a k-token call than in a one-token
-    call (the keys before the window are zeros it still multiplies), so those rows differ by rounding (~1e-6)."""
+def _windowed_accuracy_level(g: Graph, dtype: str, asked: int | None, log) -> int:
+    """The accuracy level of the forward's MatMulNBits nodes once it is built. A graph with sliding-window attention
+    takes int4_accuracy_level's level for it unless --int4-accuracy asked for one, which is kept (onnxruntime runs
+    either); a log line says which: onnxruntime's CPU GroupQueryAttention sums a windowed row's probabilities times
+    values from another offset in a k-token call than in a one-token call (the keys before the window are zeros it
+    still multiplies), so those rows differ by rounding (~1e-6). Mixture-of-experts graphs are not special any more
+    (their expert op sees every row paired: graph.int4_accuracy_level)."""
     windowed = any(n.op_type == "GroupQueryAttention" and any(a.name == "local_window_size" for a in n.attribute)
                    for n in g.nodes)
-    kind = "mixture-of-experts" if g.has_op("MoE", "QMoE") else "sliding-window attention" if windowed else None
-    if g.quant != "int4" or kind is None:
+    if g.quant != "int4" or not windowed:
         return g.accuracy_level
     if asked is None:
-        level = int4_accuracy_level(dtype, experts=True)
+        level = int4_accuracy_level(dtype, windowed=True)
         if level != g.accuracy_level:
             g.set_accuracy_level(level)
-            log(f"int4 accuracy level {level} (float32 activations) for a model with {kind} layers: "
+            log(f"int4 accuracy level {level} (float32 activations) for a model with sliding-window attention: "
                 "int8 activations widen the gap between k-token and one-token forwards; --int4-accuracy 4 asks for "
                 "them anyway")
     elif asked == 4:
-        log(f"int4 accuracy level 4 as asked: with {kind} layers, k-token forwards differ more from "
+        log("int4 accuracy level 4 as asked: with sliding-window attention, k-token forwards differ more from "
             "one-token ones than at level 1, so speculative greedy output may differ from plain greedy")
     return g.accuracy_level
 

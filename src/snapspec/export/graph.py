@@ -30,17 +30,17 @@ _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): Te
 INLINE_BYTES = 1024  # smaller initializers stay in the graph proto (as onnx's size_threshold did)
 
 
-def int4_accuracy_level(dtype: str, experts: bool = False) -> int:
+def int4_accuracy_level(dtype: str, windowed: bool = False) -> int:
     """The default MatMulNBits accuracy level (4: the CPU kernel quantizes activations to int8 per block; 1: float32
     math), chosen by measurement (docs/benchmarks/cpu.md, "int4 speculation on pair-a"): 4 for float32 exports,
     the CPU path (2-4x faster; with int4_block_size's block 16 its k-row results equal its one-row results bit for
     bit on AVX2 and AVX-512, which greedy speculation needs, and runtime/exactness.py checks that on the machine
     that loads it); 1 for float16 exports, which run on GPU providers whose level-4 paths are not verified here; 1
-    for a graph with mixture-of-experts nodes (`experts`: MoE / QMoE), where an expert's rows round differently in
-    a k-row call than in a one-row call (each expert sees another number of rows) and int8 activations downstream
-    amplify that (tiny test models, a 9-token forward against nine one-token forwards: logits up to 4e-2 apart at
-    level 4 for Granite-4.0-H and Qwen3.5-MoE, under 6e-5 at level 1)."""
-    return 4 if dtype == "float32" and not experts else 1
+    for a graph with sliding-window attention (`windowed`), whose windowed rows round differently in a k-row call
+    (~1e-6) and int8 activations downstream amplify that. Mixture-of-experts graphs take the float32 default like any
+    other since their expert op sees each row paired (blocks/mlp.py _paired_rows): bitwise at level 4 on AVX2 and
+    AVX-512 (before, an expert's one-row GEMM took another kernel: logits up to 4e-2 apart at level 4)."""
+    return 4 if dtype == "float32" and not windowed else 1
 
 
 def int4_block_size(dtype: str) -> int:
