@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp16)")
     p.add_argument("--int4-accuracy", type=int, choices=[1, 4], default=None,
                    help="MatMulNBits accuracy level: 4 = int8 activations (default for fp32: fastest on CPU), 1 = "
-                        "float32 math (default for fp16 and for models with mixture-of-experts layers; what "
+                        "float32 math (default for fp16 and for models with sliding-window attention; what "
                         "onnxruntime-web computes)")
     p.add_argument("--embedding-dtype", choices=["int4", "fp16", "fp32"], default=None,
                    help="storage of the token embedding table (default: int4 under --dtype fp32 --quant int4 where "
