@@ -44,7 +44,8 @@ def acceptance(spec: str | None) -> dict[int, float] | None:
         return None
     if Path(spec).is_file():
         data = json.loads(Path(spec).read_text())
-        rows = [r for r in data.get("configs", []) if "mtp" in str(r.get("drafter", "")) and r.get("acceptance_by_position")]
+        rows = [r for r in data.get("configs", [])
+                if "mtp" in str(r.get("drafter", "")) and r.get("acceptance_by_position")]
         if not rows:
             return None
         best = max(rows, key=lambda r: len(r["acceptance_by_position"]))

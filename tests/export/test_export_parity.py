@@ -101,7 +101,8 @@ def test_fp32_multi_token_equals_single_bitwise(model_type, ort_model):
     o, ids = ort_model(model_type), tokens(PREFIX + 9, 3)
     if "swa_key" in {s["role"] for s in o.manifest.state}:
         pytest.skip("sliding-window attention (LFM3, RecurrentGemma): a k-row forward's window rows differ from "
-                    "one-token steps by ~2e-6 (docs/exactness.md); checked within 1e-4 by test_multi_token_equals_single")
+                    "one-token steps by ~2e-6 (docs/exactness.md); checked within 1e-4 by "
+                    "test_multi_token_equals_single")
     prefilled = o.forward(o.initial_state(), ids[:PREFIX], 0).state
     singles, state = [], prefilled
     for t in range(9):

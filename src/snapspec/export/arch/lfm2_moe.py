@@ -76,8 +76,8 @@ def _router(g, x: str, router_w, bias, s: Spec) -> tuple[str, str]:
                                                   keep_dtype=True)], "routed_scale")
         floor = g.op("Expand", [g.const("minus_inf", np.float32(-np.inf), keep_dtype=True),
                                 g.op("Shape", [scores], "Shape")], "minus_inf_rows")
-        routed = g.op("ScatterElements", [floor, top, row_stable_log(g, weights, s.top_k, "log_weights")], "router_input",
-                      axis=-1)
+        log_weights = row_stable_log(g, weights, s.top_k, "log_weights")
+        routed = g.op("ScatterElements", [floor, top, log_weights], "router_input", axis=-1)
         if g.onnx_dtype != F32:
             routed = g.op("Cast", [routed], "router_input_cast", to=g.onnx_dtype)
             factor = g.op("Cast", [factor], "factor_cast", to=g.onnx_dtype)

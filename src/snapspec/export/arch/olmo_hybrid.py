@@ -20,6 +20,7 @@ from ..blocks import Decoder
 from ..lazy import concat
 from ..weights import Weights
 from .common import GatedDeltaNetSpec, lm_head
+from .qwen3 import self_attention
 
 MODEL_TYPES = ("olmo_hybrid",)
 GATED_NORM_EPS = 1e-5  # OlmoHybridGatedDeltaNet's o_norm
@@ -86,20 +87,9 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
     rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context) if s.rope else None
 
-    def attention(x: str, i: int) -> str:
-        a = f"layers.{i}.self_attn."
-        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-        biases = {}
-        if s.attention_bias:
-            biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
-                          v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
-        with g.scope("self_attn"):
-            return dec.attention(
-                x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-                heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
-                q_norm=w.get(a + "q_norm.weight", (q_rows,)), k_norm=w.get(a + "k_norm.weight", (kv_rows,)),
-                rotary=rotary, **biases)
+    def attention(x: str, i: int) -> str:  # q/k norms over all heads at once (OLMo-2/3)
+        return self_attention(dec, w, x, i, heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, hidden=D, eps=s.eps,
+                              rotary=rotary, bias=s.attention_bias, norm_all_heads=True)
 
     def linear_attention(x: str, i: int) -> str:
         a = f"layers.{i}.linear_attn."

@@ -54,27 +54,35 @@ def ignored(s: Spec) -> tuple[str, ...]:
     return ()
 
 
+def self_attention(dec: Decoder, w: Weights, x: str, i: int, *, heads: int, kv_heads: int, head_dim: int,
+                   hidden: int, eps: float, rotary, bias: bool, norm_all_heads: bool = False) -> str:
+    """Layer i's Qwen3-style attention (`layers.{i}.self_attn.*`: q/k/v/o projections, optional biases, q/k RMSNorm
+    per head, or over all heads at once with norm_all_heads as OLMo-Hybrid's)."""
+    a, D = f"layers.{i}.self_attn.", hidden
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+    biases = {}
+    if bias:
+        biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
+                      v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
+    q_norm, k_norm = (q_rows, kv_rows) if norm_all_heads else (head_dim, head_dim)
+    with dec.fwd.scope("self_attn"):
+        return dec.attention(
+            x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
+            w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
+            heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
+            q_norm=w.get(a + "q_norm.weight", (q_norm,)), k_norm=w.get(a + "k_norm.weight", (k_norm,)),
+            rotary=rotary, **biases)
+
+
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D, hd = s.hidden, s.head_dim
-    g = dec.fwd
     dec.token_inputs()
     h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
     rotary = dec.rotary_cache(hd, s.rope_theta, max_context)
 
     def mixer(x: str, i: int) -> str:
-        a = f"layers.{i}.self_attn."
-        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-        biases = {}
-        if s.bias:
-            biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
-                          v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
-        with g.scope("self_attn"):
-            return dec.attention(
-                x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-                heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
-                q_norm=w.get(a + "q_norm.weight", (hd,)), k_norm=w.get(a + "k_norm.weight", (hd,)),
-                rotary=rotary, **biases)
+        return self_attention(dec, w, x, i, heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, hidden=D, eps=s.eps,
+                              rotary=rotary, bias=s.bias)
 
     def ffn(x: str, i: int) -> str:
         p = f"layers.{i}.mlp."

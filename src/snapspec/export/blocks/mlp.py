@@ -52,7 +52,8 @@ class Mlp:
         rows = g.op("Shape", [x], "experts/rows_in", start=1, end=2)
         head = g.ints("experts/paired", [PAIRED])
         def twice(t: str, leaf: str) -> str:
-            first = g.op("Slice", [t, g.ints(f"{leaf}/starts", [0]), head, g.ints(f"{leaf}/axes", [1])], f"{leaf}/first")
+            first = g.op("Slice", [t, g.ints(f"{leaf}/starts", [0]), head, g.ints(f"{leaf}/axes", [1])],
+                         f"{leaf}/first")
             return g.op("Concat", [t, first], f"{leaf}/twice", axis=1)
         lead = g.op("Shape", [x], "experts/lead", start=0, end=2)
         logits = g.op("Reshape", [logits, g.op("Concat", [lead, g.ints("experts/n_exp", [n_exp])], "experts/shape3",

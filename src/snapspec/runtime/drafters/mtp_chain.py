@@ -94,16 +94,5 @@ class ChainedHead(OnnxHead):
     def _bind(self, b, t: int) -> dict:
         """A fixed-address step's binding, made once per row count: the KV, the hidden input, the last row kept,
         every output in a buffer of its own."""
-        bound = self.kv.bind(b, None)
         b.bind_ortvalue_input("hidden", self._hidden_buffer(t))
-        if self.keeps_rows:
-            one = np.ones((), dtype=np.int64)
-            self._pinned.append(one)  # bound by pointer: it must outlive the binding
-            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], one.ctypes.data)
-        outs = {}
-        for name in self.io.outputs:
-            if name not in bound:
-                dims, dt = self.io.shape(name, t, 1)
-                outs[name] = allocate(dims, dt, self.device, 0)
-                b.bind_ortvalue_output(name, outs[name])
-        return outs
+        return self.io.bind_fixed(b, self.kv.bind(b, None), t, 1, self.device, self._pinned)

@@ -98,14 +98,4 @@ class CapturedRunner:
         bound = []
         for s, k in zip(self.stores, keys):
             bound += s.bind(b, k)
-        if self.io.keeps_rows and keep < t:  # a shape input, read on the host at capture; 0 (the default) keeps all
-            value = np.array(keep, dtype=np.int64)
-            self._pinned.append(value)  # bound by pointer (see BoundRunner._keep): it must outlive the binding
-            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], value.ctypes.data)
-        outs = {}
-        for name in self.io.outputs:
-            if name not in bound:
-                dims, dt = self.io.shape(name, t, keep)
-                outs[name] = allocate(dims, dt, self.device, 0)
-                b.bind_ortvalue_output(name, outs[name])
-        return outs
+        return self.io.bind_fixed(b, bound, t, keep, self.device, self._pinned)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..state import allocate
+
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
@@ -24,3 +26,20 @@ class GraphIO:
                  "rollback_rows": min(t, int(self._packed.get("rows") or t))}
         dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
         return dims, _DTYPES[o.type]
+
+    def bind_fixed(self, b, bound: list[str], t: int, keep: int, device: str, pinned: list) -> dict:
+        """A fixed-address forward's binding beyond what the caller bound (`bound`: the state's outputs): the kept
+        rows, and every other output in a buffer of its own, read back after each replay; returns those buffers.
+        logits_to_keep is a shape input read on the host at capture and bound by pointer (see BoundRunner._keep),
+        so its value lives in `pinned` as long as the binding; 0 (the default) keeps all rows."""
+        if self.keeps_rows and keep < t:
+            value = np.array(keep, dtype=np.int64)
+            pinned.append(value)
+            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], value.ctypes.data)
+        outs = {}
+        for name in self.outputs:
+            if name not in bound:
+                dims, dt = self.shape(name, t, keep)
+                outs[name] = allocate(dims, dt, device, 0)
+                b.bind_ortvalue_output(name, outs[name])
+        return outs
