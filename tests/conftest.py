@@ -104,3 +104,20 @@ def chat_export(tmp_path_factory):
         return built[model_type, style]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def model(tiny_export):
+    """model(arch, **export_options) -> the tiny export of `arch` loaded on CPU with one thread, once per test file
+    (a file with its own `model` fixture overrides this one)."""
+    from snapspec.runtime import load
+
+    loaded = {}
+
+    def get(arch: str, **kw):
+        key = (arch, tuple(sorted(kw.items())))
+        if key not in loaded:
+            loaded[key] = load(tiny_export(arch, **kw), threads=1)
+        return loaded[key]
+
+    return get

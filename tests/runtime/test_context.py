@@ -24,17 +24,6 @@ ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
 PROMPT = "Rolling back the state of a hybrid model"
 
 
-@pytest.fixture(scope="module")
-def model(tiny_export):
-    loaded = {}
-
-    def get(arch: str, **kw):
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in loaded:
-            loaded[key] = load(tiny_export(arch, **kw), threads=1)
-        return loaded[key]
-
-    return get
 
 
 def with_kept_rows(src, dst):

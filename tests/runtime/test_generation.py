@@ -9,22 +9,12 @@ import numpy as np
 import pytest
 
 from snapspec import SnapspecError
-from snapspec.runtime import Draft, Drafter, Generator, SamplingParams, load, stream_text
+from snapspec.runtime import Draft, Drafter, Generator, SamplingParams, stream_text
 from snapspec.runtime.drafters import base as drafters_mod  # where drafters pick (Drafter.choose)
 from snapspec.runtime import generation as generation_mod
 from snapspec.runtime.state import DeviceCopy
 
 
-@pytest.fixture(scope="module")
-def model(tiny_export):
-    loaded = {}
-
-    def get(arch: str):
-        if arch not in loaded:
-            loaded[arch] = load(tiny_export(arch), threads=1)
-        return loaded[arch]
-
-    return get
 
 
 def test_a_generator_runs_once(model):

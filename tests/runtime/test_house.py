@@ -10,22 +10,12 @@ import pytest
 
 from paths import REPO
 from snapspec import SnapspecError
-from snapspec.runtime import Generator, Pair, load, open_context, stores_for
+from snapspec.runtime import Generator, Pair, open_context, stores_for
 from snapspec.runtime.rollback import ROLLBACK
 
 PACKAGE = REPO / "src" / "snapspec"
 
 
-@pytest.fixture(scope="module")
-def model(tiny_export):
-    loaded = {}
-
-    def get(arch: str):
-        if arch not in loaded:
-            loaded[arch] = load(tiny_export(arch), threads=1)
-        return loaded[arch]
-
-    return get
 
 
 def _modules():

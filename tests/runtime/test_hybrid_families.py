@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from snapspec.runtime import Generator, SamplingParams, contract, load
+from snapspec.runtime import Generator, SamplingParams, contract
 
 from test_state_property import walk
 
@@ -19,16 +19,6 @@ PAIRS = [("olmo_hybrid", "qwen3"), ("lfm3", "olmo_hybrid"), ("recurrent_gemma", 
 FAMILIES = [t for t, _ in PAIRS]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_export):
-    loaded = {}
-
-    def get(arch: str):
-        if arch not in loaded:
-            loaded[arch] = load(tiny_export(arch), threads=1)
-        return loaded[arch]
-
-    return get
 
 
 @pytest.mark.parametrize("target,drafter", PAIRS)

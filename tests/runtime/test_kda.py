@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapspec.runtime import Context, Generator, SamplingParams, load
+from snapspec.runtime import Context, Generator, SamplingParams
 from snapspec.runtime import contract
 from snapspec.runtime.sampling import probs
 
@@ -21,17 +21,6 @@ from snapspec.runtime.sampling import probs
 PAIRS = [("kimi_linear", "qwen3"), ("bailing_hybrid", "kimi_linear"), ("qwen3_5_text", "bailing_hybrid")]
 
 
-@pytest.fixture(scope="module")
-def model(tiny_export):
-    loaded = {}
-
-    def get(arch: str, **kw):
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in loaded:
-            loaded[key] = load(tiny_export(arch, **kw), threads=1)
-        return loaded[key]
-
-    return get
 
 
 @pytest.mark.parametrize("target,drafter", PAIRS)

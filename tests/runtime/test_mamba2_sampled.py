@@ -12,23 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapspec.runtime import Context, Generator, SamplingParams, load
+from snapspec.runtime import Context, Generator, SamplingParams
 from snapspec.runtime.sampling import probs
 
 PAIRS = [("bamba", "qwen3"), ("mamba2", "bamba"), ("lfm2_moe", "mamba2"), ("zamba2", "qwen3")]
 RUNS = 200
 
 
-@pytest.fixture(scope="module")
-def model(tiny_export):
-    loaded = {}
-
-    def get(arch: str):
-        if arch not in loaded:
-            loaded[arch] = load(tiny_export(arch), threads=1)
-        return loaded[arch]
-
-    return get
 
 
 def _exact_law(t, prompt: list[int], params: SamplingParams) -> np.ndarray:

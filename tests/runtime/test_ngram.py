@@ -108,17 +108,6 @@ COPY = ("for i in range(10):\n    if i % 2 == 0:\n        print(i, i * i)\n"
         "for i in range(10):\n    if i % 2 == 0:\n")
 
 
-@pytest.fixture(scope="module")
-def model(tiny_export):
-    from snapspec.runtime import load
-    loaded = {}
-
-    def get(arch: str):
-        if arch not in loaded:
-            loaded[arch] = load(tiny_export(arch), threads=1)
-        return loaded[arch]
-
-    return get
 
 
 def _lookup_counters(g) -> str:

@@ -30,17 +30,6 @@ MORE_PAIRS = [("bamba", "qwen3"), ("mamba2", "bamba"), ("lfm2_moe", "mamba2"), (
 MAMBA1_PAIRS = [("jamba", "qwen3"), ("mamba", "falcon_mamba"), ("falcon_mamba", "jamba")]
 
 
-@pytest.fixture(scope="session")
-def model(tiny_export):
-    loaded = {}
-
-    def get(arch: str, **kw):
-        key = (arch, tuple(sorted(kw.items())))
-        if key not in loaded:
-            loaded[key] = load(tiny_export(arch, **kw), threads=1)
-        return loaded[key]
-
-    return get
 
 
 @pytest.mark.parametrize("target,drafter", PAIRS + MAMBA2_PAIRS + MORE_PAIRS + MAMBA1_PAIRS)
