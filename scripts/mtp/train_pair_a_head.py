@@ -20,10 +20,14 @@ by a hash of their path: 2% held out for evaluation. The excluded packages form 
 the prompts' own domain, never trained on).
 
 Training: the target frozen (bf16 on CUDA), each batch's hidden states computed on the fly; AdamW, bf16 autocast,
-a wall-clock budget. Two heads train side by side on the same batches (one target forward feeds both): "ce"
-(cross-entropy on t_{p+2}) and "kl" (KL(target's next-step distribution at p+1 || head)); the one with the better
-held-out agreement is saved as pair-a-mtp-head.safetensors. The layer starts from the target's last
-full-attention layer, mtp.norm from the target's final norm, fc at random.
+a wall-clock budget. Heads train side by side on the same batches (one target forward feeds them all); a
+variant names its loss, "ce" (cross-entropy on t_{p+2}) or "kl" (KL(target's next-step distribution at p+1 ||
+head)), and optionally a chain length: "kl3" also runs chained steps 2 and 3 as the runtime drafts them (fed the
+head's own output hidden and the next data token, attending its step-1 keys and its own chained keys) and adds
+their KL to the target at p+2 and p+3, weighted 0.8 ** (k - 1). The one with the most drafts accepted per round at
+k = 3 (expected_3, from the held-out conditional agreements) is saved as pair-a-mtp-head.safetensors. The layer
+starts from the target's last full-attention layer, mtp.norm from the target's final norm, fc at random; or every
+variant starts from a trained head (--init).
 
 Metrics (metrics.json): per variant and per eval set, teacher-forced on held-out text:
   agree_1   argmax of the head at p == the target's greedy argmax at p+1 (what greedy speculation accepts);
@@ -31,7 +35,8 @@ Metrics (metrics.json): per variant and per eval set, teacher-forced on held-out
   agree_k|  chained step k (2, 3) fed (t_{p+k}, the previous step's out) at position p+k-1, attending the head's
             step-1 keys of positions <= p and its own chained keys (as the runtime's KV holds them), counted only
             where every earlier step matched both the target and the data (so the data prefix is the one greedy
-            decoding would have), as a conditional acceptance rate.
+            decoding would have), as a conditional acceptance rate;
+  expected_3 agree_1 * (1 + agree_2| * (1 + agree_3|)): drafts accepted per round at k = 3.
 
 GPU machine recipe (the lead, in /work/main after merging h-train; kind nvidia-h200). Pair-a's 88 MB do not fit
 one call's 64 MiB, so the target travels in two halves and the machine must still be warm for call 2 (it stays
@@ -373,6 +378,17 @@ def batches(ids, batch: int, seq: int, rng):
     return torch.from_numpy(np.stack([ids[s: s + seq] for s in starts]).astype(np.int64))
 
 
+CHAIN_DECAY = 0.8  # weight of chained step k's loss: CHAIN_DECAY ** (k - 1)
+
+
+def parse_variant(name: str) -> tuple[str, int]:
+    """'kl' -> ('kl', 1); 'kl3' -> ('kl', 3): the loss, and how many chained steps it is taken over."""
+    kind, chain = name[:2], name[2:] or "1"
+    if kind not in ("ce", "kl") or not chain.isdigit() or not 1 <= int(chain) <= 8:
+        raise Fail(f"unknown variant {name!r} (ce or kl, optionally followed by a chain length 1-8: kl3)")
+    return kind, int(chain)
+
+
 def chained_mask(s: int, k: int, device):
     """Step k's query row p (position p+k-1) sees step-1 keys at rows <= p and chained keys at row p."""
     import torch
@@ -419,8 +435,13 @@ def evaluate(head, target, ids, args, device, steps: int = 3) -> dict:
                 cond = both[:, :v]
                 add(totals[f"agree_{k}|"], (d[:, :v] == greedy[:, k: k + v])[cond])
                 both = cond & (d[:, :v] == greedy[:, k: k + v]) & (d[:, :v] == t[:, k + 1: k + 1 + v])
-    return {name: round(a / max(b, 1), 4) for name, (a, b) in totals.items()} | {
-        "positions_1": totals["agree_1"][1]}
+    rates = {name: a / max(b, 1) for name, (a, b) in totals.items()}
+    expected, reach = 0.0, 1.0  # drafts accepted per round at k = steps, from the conditional rates
+    for k in range(1, steps + 1):
+        reach *= rates["agree_1" if k == 1 else f"agree_{k}|"]
+        expected += reach
+    return {name: round(r, 4) for name, r in rates.items()} | {
+        f"expected_{steps}": round(expected, 4), "positions_1": totals["agree_1"][1]}
 
 
 def add(total, ok):
@@ -475,8 +496,7 @@ def train(args) -> None:
     variants = args.variants.split(",")
     heads, opts = {}, {}
     for name in variants:
-        if name not in ("ce", "kl"):
-            raise Fail(f"unknown variant {name!r} (ce, kl)")
+        parse_variant(name)
         head = MtpHead(c).to(device)
         own = target.model.layers[full].state_dict()
         missing = head.layers[0].load_state_dict(own, strict=False)
@@ -484,6 +504,11 @@ def train(args) -> None:
             raise Fail(f"the target's layer {full} lacks {missing.missing_keys}")
         head.norm.weight.data.copy_(target.model.norm.weight.float())
         torch.nn.init.normal_(head.fc.weight, std=0.02)
+        if args.init:  # continue from a trained head (mtp.* names, as saved below)
+            from safetensors.torch import load_file
+
+            saved = {k.removeprefix("mtp."): v.float() for k, v in load_file(args.init).items()}
+            head.load_state_dict(saved, strict=True)
         heads[name] = head
         opts[name] = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     print(f"train: {sum(p.numel() for p in heads[variants[0]].parameters()) / 1e6:.2f}M head parameters x "
@@ -506,12 +531,25 @@ def train(args) -> None:
             pos = torch.arange(args.seq - 2, device=device).expand(t.shape[0], -1)
             row = {"step": step, "s": round(elapsed, 1)}
             for name, head in heads.items():
-                out, _ = head.step(embed[t[:, 1:-1]], h[:, :-2], pos)
-                logq = F.log_softmax((out @ embed.T).float(), -1)
-                if name == "ce":
-                    loss = F.nll_loss(logq.flatten(0, 1), t[:, 2:].flatten())
-                else:
-                    loss = F.kl_div(logq, p_target, log_target=True, reduction="none").sum(-1).mean()
+                loss_kind, chain = parse_variant(name)
+                out, kv = head.step(embed[t[:, 1:-1]], h[:, :-2], pos)
+                loss, kvs, total_w = 0.0, [kv], 0.0
+                for k in range(1, chain + 1):
+                    if k > 1:  # step k: row p is fed t_{p+k} and step k-1's out at p, at position p+k-1
+                        tok = torch.cat([t[:, k:], t.new_zeros(t.shape[0], k - 2)], 1)
+                        out, kv = head.step(embed[tok], out, pos + (k - 1), kvs, chained_mask(args.seq - 2, k, device))
+                        kvs.append(kv)
+                    v = args.seq - k - 1  # rows whose step-k prediction (of t_{p+k+1}) lies inside the window
+                    logq = F.log_softmax((out[:, :v] @ embed.T).float(), -1)
+                    if loss_kind == "ce":
+                        step_loss = F.nll_loss(logq.flatten(0, 1), t[:, k + 1: k + 1 + v].flatten())
+                    else:  # the target's distribution at position p+k, which predicts t_{p+k+1}
+                        with torch.no_grad():
+                            p_k = p_target if k == 1 else F.log_softmax(target.lm_head(h[:, k: k + v]).float(), -1)
+                        step_loss = F.kl_div(logq, p_k[:, :v], log_target=True, reduction="none").sum(-1).mean()
+                    w = CHAIN_DECAY ** (k - 1)
+                    loss, total_w = loss + w * step_loss, total_w + w
+                loss = loss / total_w
                 for g in opts[name].param_groups:
                     g["lr"] = lr
                 opts[name].zero_grad(set_to_none=True)
@@ -537,7 +575,7 @@ def train(args) -> None:
         print(f"eval {name}:", json.dumps(metrics["variants"][name]))
         tensors = {f"mtp.{k}": v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in head.state_dict().items()}
         save_file(tensors, str(out / f"head-{name}.safetensors"), metadata={"format": "pt"})
-    best = max(variants, key=lambda n: metrics["variants"][n]["val"]["agree_1"])
+    best = max(variants, key=lambda n: metrics["variants"][n]["val"]["expected_3"])
     metrics["best"] = best
     shutil.copy2(out / f"head-{best}.safetensors", out / "pair-a-mtp-head.safetensors")
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -569,7 +607,11 @@ def main(argv=None) -> int:
     t.add_argument("--seq", type=int, default=512)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup", type=int, default=100)
-    t.add_argument("--variants", default="ce,kl", help="heads trained side by side: ce, kl")
+    t.add_argument("--variants", default="kl,kl3",
+                   help="heads trained side by side: ce or kl (cross-entropy on the data, or KL to the target's "
+                        "distribution), each optionally followed by a chain length: kl3 also trains chained "
+                        "steps 2 and 3 on the head's own output hidden, as the runtime drafts")
+    t.add_argument("--init", help="start every variant from this trained head (mtp.* safetensors) instead")
     t.add_argument("--eval-seqs", type=int, default=256, help="held-out windows per eval set")
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--seed", type=int, default=0)
