@@ -60,7 +60,7 @@ def _head(m: manifest.Manifest, ctx: int) -> dict | None:
     kv = sum(_elems(s["shape"], ctx) * _BYTES[s["dtype"]] for s in head["state"])
     return {"graph": m.data["graphs"][head["graph"]]["file"], "layers": head["layers"], "bytes": head.get("bytes"),
             "kv_bytes": kv, "shared": head.get("shared", []), "draft_vocab": head.get("draft_vocab"),
-            "vocab": m.data["model"]["vocab_size"]}
+            "vocab": m.data["model"]["vocab_size"], "quant": head.get("quant")}
 
 
 def _probe_here(e: dict) -> dict | None:
@@ -125,8 +125,11 @@ def render(info: dict) -> str:
     head = info.get("mtp")
     if head:
         subset = (head.get("draft_vocab") or head["vocab"]) < head["vocab"]
+        own = head.get("quant") == "int4" and info["export"].get("quant") != "int4"
         shared = (f"embedding shared with the target; drafts over {head['draft_vocab']} ids" if subset else
+                  "embedding shared with the target; its own int4 output projection" if own else
                   "embedding and output projection shared with the target")
+        shared += "; int4 weights" if own else ""
         con.print(f"MTP head: {head['graph']}, {head['layers']} layer, {_mb(head['bytes'] or 0)} of its own weights "
                   f"({shared}), KV {_mb(head['kv_bytes'])} at ctx {info['memory']['ctx']}")
     con.print("files: " + ", ".join(f"{k} {_mb(v)}" for k, v in info["files"].items()))

@@ -40,7 +40,8 @@ FP32_NOTE_BYTES = 4e9  # a float32 export above this size says what the alternat
 def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int | None = None,
            rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
            embedding_dtype: str | None = None, int4_accuracy: int | None = None, with_mtp: bool = True,
-           mtp_vocab: int | str | None = None, mtp_vocab_from: list | None = None, log=print) -> manifest.Manifest:
+           mtp_vocab: int | str | None = None, mtp_vocab_from: list | None = None, mtp_quant: str = "same",
+           log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
     dtype: float32 | float16 (activations and weights; recurrent state stays float32). float32 is the default
@@ -73,6 +74,9 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            vocabulary up to 32,768 ids, else 32,768 of them), "all", or a count. Output is unchanged either way (the
            target verifies every draft); a smaller one makes each draft step cheaper (export/draft_vocab.py).
     mtp_vocab_from: text files whose token counts choose that subset (default: the lowest ids, BPE merge order).
+    mtp_quant: "same" (the head's linears as the target's) or "int4": the head's own linears in int4 (block and
+           accuracy level as an int4 target's) over a float32 or float16 target, with its own int4 copy of the output
+           projection; output is unchanged (the target verifies every draft), each draft step reads ~4-8x fewer bytes.
     log: called with each line of the summary (None: silent, and no progress bar).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
     state_window (CUDA only), sharing the weights file; the runtime picks it for a target on CUDA (export/window.py).
@@ -99,9 +103,10 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
     head_wanted = mtp.wanted(module, ckpt, with_mtp)
     draft_ids = _draft_ids(ckpt, spec, head_wanted, mtp_vocab, mtp_vocab_from, log)
+    head_quant = _head_quant(ckpt, head_wanted, mtp_quant)
     try:
-        dec, head, level = _build(opts, module, spec, weights, ckpt, ctx, data, head_wanted, draft_ids, show_progress,
-                                   log)
+        dec, head, level = _build(opts, module, spec, weights, ckpt, ctx, data, head_wanted, draft_ids, head_quant,
+                                   show_progress, log)
         result, skipped = _write_folder(tmp, opts, ckpt, module, spec, weights, ctx, dec, head, data, level, log)
         _seal(tmp, result)
         destination.swap(tmp, out_dir, shown)
@@ -116,8 +121,11 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
         log("skipped (not part of the text decoder): " + ", ".join(
             f"{prefix}* {n['tensors']} tensors ({_size(n['bytes'])})" for prefix, n in skipped.items()))
     if head is not None:
-        shared = ("embedding and output projection shared with the target" if head.draft_vocab >= spec.vocab else
-                  f"embedding shared with the target, its own projection rows for {head.draft_vocab} draft ids")
+        own = head.quant != opts.quant
+        shared = ("embedding and output projection shared with the target"
+                  if head.draft_vocab >= spec.vocab and not own else
+                  f"embedding shared with the target, its own {'int4 ' if own else ''}projection"
+                  + (f" rows for {head.draft_vocab} draft ids" if head.draft_vocab < spec.vocab else ""))
         log(f"MTP head: mtp.onnx, 1 layer, {_size(head.bytes)} of its own weights ({shared})")
     log(f"wrote {out_dir} in {time.perf_counter() - start:.1f} s ({_size(data[0].size)} of weights), "
         f"peak memory {_peak_mb():.0f} MB")
@@ -196,6 +204,18 @@ def _draft_ids(ckpt: Checkpoint, spec, head_wanted: bool, asked, files, log):
     return ids
 
 
+def _head_quant(ckpt: Checkpoint, head_wanted: bool, asked: str) -> str | None:
+    """The MTP head's own quantization (None: the target's); --mtp-quant without a head to apply it to is refused."""
+    if asked not in ("same", "int4"):
+        raise SnapspecError(f"unsupported MTP head quantization {asked!r}: use same or int4")
+    if asked == "same":
+        return None
+    if not head_wanted:
+        raise SnapspecError(f"--mtp-quant: {ckpt.folder} is exported without an MTP head (--no-mtp, or no mtp.* "
+                            "weights)")
+    return asked
+
+
 def _note_size(ckpt: Checkpoint, weights: Weights, dtype: str, quant: str, log) -> None:
     """A large float32 export says what the alternatives cost."""
     params = sum(int(np.prod(ckpt.shape(n), dtype=np.int64)) for n in weights.to_read())
@@ -205,7 +225,7 @@ def _note_size(ckpt: Checkpoint, weights: Weights, dtype: str, quant: str, log) 
 
 
 def _build(opts: _Options, module, spec, weights: Weights, ckpt: Checkpoint, ctx: int, data: list[DataFile],
-           head_wanted: bool, draft_ids, progress: bool, log):
+           head_wanted: bool, draft_ids, head_quant: str | None, progress: bool, log):
     """The target's graphs and, when wanted, the MTP head's, their weights streamed into `data`'s files. Returns
     (the Decoder, the head or None, the int4 accuracy level the graphs ended with)."""
     decoder = mtp.HiddenDecoder if head_wanted else Decoder
@@ -215,7 +235,7 @@ def _build(opts: _Options, module, spec, weights: Weights, ckpt: Checkpoint, ctx
     with _progress(weights, data, progress):
         module.build(dec, weights, spec, ctx)
     dec.finish(rows=opts.rollback_window)
-    head = mtp.build(module, dec, weights, spec, ckpt, ctx, draft_ids) if head_wanted else None
+    head = mtp.build(module, dec, weights, spec, ckpt, ctx, draft_ids, head_quant) if head_wanted else None
     weights.check_covered()
     level = _windowed_accuracy_level(dec.fwd, opts.dtype, opts.int4_accuracy, log)
     if opts.quant == "int4" and opts.int4_asked:

@@ -81,8 +81,8 @@ class SharedGraph(Graph):
     own (same name, same bytes): const() hands back the target's TensorProto, which points at the same offset,
     instead of appending the values again (small inline constants are simply made again). Shapes and element types are checked: a difference is a bug, not a fallback."""
 
-    def __init__(self, target: Graph, name: str):
-        super().__init__(name, "float16" if target.np_dtype.itemsize == 2 else "float32", target.quant,
+    def __init__(self, target: Graph, name: str, quant: str | None = None):
+        super().__init__(name, "float16" if target.np_dtype.itemsize == 2 else "float32", quant or target.quant,
                          target.block_size, data=target.data, accuracy_level=target.accuracy_level)
         self.shared = {t.name: t for t in target.initializers
                        if t.name.startswith(SHARED_SCOPES) and t.data_location == onnx.TensorProto.EXTERNAL}
@@ -110,13 +110,15 @@ class Head:
 
     dec: Decoder
     draft_vocab: int  # the ids its output projection scores (the full vocabulary, or a subset: draft_vocab.py)
+    quant: str  # its own linears' quantization: the target's, or int4 over a float target (--mtp-quant int4)
     layer: int  # the head's layer index in the state table: the target's layer count (vLLM numbers it so too)
     bytes: int  # the head's own weights in the data file (shared initializers not counted)
 
     def manifest(self, hidden: int) -> dict:
         # bytes: the head's own weights; shared: the target's initializers it reads (stored once)
         return {"graph": GRAPH, "layers": 1, "hidden_size": hidden, "state": self.dec.table()["state"],
-                "bytes": self.bytes, "shared": sorted(self.dec.fwd.reused), "draft_vocab": self.draft_vocab}
+                "bytes": self.bytes, "shared": sorted(self.dec.fwd.reused), "draft_vocab": self.draft_vocab,
+                "quant": self.quant, "block_size": self.dec.fwd.block_size if self.quant == "int4" else None}
 
     def graph_entry(self) -> dict:
         g = self.dec.fwd
@@ -125,15 +127,21 @@ class Head:
 
 
 def build(module, target: Decoder, weights: Weights, spec, ckpt: Checkpoint, max_context: int,
-          draft_ids: np.ndarray | None = None) -> Head:
+          draft_ids: np.ndarray | None = None, quant: str | None = None) -> Head:
     """Build the head graph beside the built target (its data file still open). `weights` is the target's checked
     view: the head's tensors are marked read there, so they are neither reported as skipped nor left unread.
-    draft_ids: the sorted ids of a draft vocabulary smaller than the target's (export/draft_vocab.py), None for all."""
+    draft_ids: the sorted ids of a draft vocabulary smaller than the target's (export/draft_vocab.py), None for all.
+    quant: "int4" quantizes the head's own linears (fc, its layer, and its own int4 copy of the output projection)
+    over a float target, whose embedding it still reads as stored (a draft's precision never changes the output:
+    the target verifies it); None: the target's quantization, the projection shared."""
     hp = prefix(ckpt)
     hw = Weights(ckpt, hp)
     start = target.fwd.data.size if target.fwd.data is not None else 0
-    g = SharedGraph(target.fwd, GRAPH)
-    dec = Decoder(g, Graph("mtp_replay", target.dtype_name), embedding_dtype=target.embedding_dtype)
+    g = SharedGraph(target.fwd, GRAPH, quant)
+    own_quant = g.quant != target.fwd.quant
+    # With its own quantization the head gathers the target's embedding table as the target stored it (shared).
+    embedding = target.embedding_storage if own_quant else target.embedding_dtype
+    dec = Decoder(g, Graph("mtp_replay", target.dtype_name), embedding_dtype=embedding)
     D, eps = spec.hidden, spec.eps
     dec.token_inputs()
     hidden = g.input("hidden", g.onnx_dtype, ["batch", "sequence", D])
@@ -164,7 +172,7 @@ def build(module, target: Decoder, weights: Weights, spec, ckpt: Checkpoint, max
     weights.used |= hw.used
     end = target.fwd.data.size if target.fwd.data is not None else 0
     n = spec.vocab if draft_ids is None else min(len(draft_ids), spec.vocab)
-    return Head(dec, n, spec.layers, end - start)
+    return Head(dec, n, g.quant, spec.layers, end - start)
 
 
 def _draft_logits(g: Graph, x: str, table, ids: np.ndarray) -> None:
