@@ -23,7 +23,8 @@
 # The head's draft vocabulary (docs/mtp.md#draft-vocabulary): VOCABS="all auto" exports each shape once per
 # --mtp-vocab value and times the head of each (default: auto only); PAIR=0 skips the pair-a benches (a), for a run
 # of the costs alone (c2 then needs only the second onnxruntime part: PAIR=0 scripts/gpu/h200_mtp_payload.sh).
-# ACCEPT: the per-position acceptance the cost stage predicts at (default: (a)'s JSON).
+# ACCEPT: the per-position acceptance the cost stage predicts at (default: (a)'s JSON). BENCH=0 skips the pair-a
+# benches, BENCH_DRAFTERS="mtp" benches the head alone (default: pair-a's drafter and mtp); PROFILE=1 adds benchmarks/round_profile.py (MTP and pair-a's drafter, k = 3 and 5, CUDA graphs).
 set -uo pipefail
 B=${MTP_DIR:-/tmp/mtp}
 EP=${EP:-cuda}; GRAPHS=${GRAPHS:-9}; LIMIT=${LIMIT:-16}; TOKENS=${TOKENS:-128}; KS=${KS:-1,2,3,4,6}
@@ -105,7 +106,8 @@ stage() {  # stage NAME TIMEOUT CMD...: run with a timeout, log, copy the log to
   return $rc
 }
 bench() {  # bench NAME GRAPHS
-  cd $B && py -m snapspec.cli.main bench --target $B/pair/target --drafter $B/pair/drafter --drafter mtp \
+  local ds=""; for d in ${BENCH_DRAFTERS:-$B/pair/drafter mtp}; do ds="$ds --drafter $d"; done
+  cd $B && py -m snapspec.cli.main bench --target $B/pair/target $ds \
     --ep $EP --cuda-graph $2 --prompts $B/pair/prompts.jsonl --limit $LIMIT --max-new-tokens $TOKENS \
     --sweep --k $KS --rollback auto --reps 2 --json $OUT/$1.json
 }
@@ -115,12 +117,19 @@ cost() {  # cost SHAPE VOCAB
     --json $OUT/mtp-cost-$1-$2.json
 }
 
+round_profile() {  # where a round's host time goes (benchmarks/round_profile.py), with CUDA graphs
+  for d in ${PROFILE_DRAFTERS:-mtp $B/pair/drafter}; do for k in ${PROFILE_KS:-3 5}; do
+    cd $B && py $B/repo/benchmarks/round_profile.py --target $B/pair/target --drafter $d --ep $EP --cuda-graph $GRAPHS \
+      --k $k --prompts $B/pair/prompts.jsonl --limit 6 --json $OUT/round-profile-$(basename $d)-k$k.json
+  done; done
+}
+
 gpu_tests() {
   cd $B && PYTHONPATH=$B/site:$repo/src python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider \
     $repo/tests/runtime/test_mtp.py -k cuda
 }
 
-export -f py bench cost gpu_tests
+export -f py bench cost gpu_tests round_profile
 export B R OUT EP GRAPHS LIMIT TOKENS KS VOCABS ACCEPT repo
 
 case $cmd in
@@ -137,7 +146,8 @@ case $cmd in
       [ -d $B/pair/target ] || { mkdir -p $B/pair && xz -dc $B/payload/pair.tar.xz | tar x -C $B/pair; }
       ls $B/pair >> $B/progress
       # (a) pair-a with CUDA graphs (the issue's H200 configuration)
-      stage pair-a-mtp-graph $(( budget > 290 ? budget - 230 : 60 )) bench pair-a-mtp-graph $GRAPHS || log "graph bench failed: see mtp.log"
+      [ "${BENCH:-1}" = 1 ] && { stage pair-a-mtp-graph $(( budget > 290 ? budget - 230 : 60 )) bench pair-a-mtp-graph $GRAPHS || log "graph bench failed: see mtp.log"; }
+      [ "${PROFILE:-0}" = 1 ] && stage round-profile 240 round_profile
     fi
     # the CUDA cases of tests/runtime/test_mtp.py (fp16 target on the state window, replay, CUDA graphs with the
     # head's drafts chained on the device), while the real shapes are prepared
@@ -153,7 +163,7 @@ case $cmd in
     done; done
     # (a) again without CUDA graphs, if time remains
     left=$(( budget - ($(date +%s) - T1) - 10 ))
-    [ "$PAIR" = 1 ] && [ $left -gt 90 ] && stage pair-a-mtp-nograph $left bench pair-a-mtp-nograph 0
+    [ "$PAIR" = 1 ] && [ "${BENCH:-1}" = 1 ] && [ $left -gt 90 ] && stage pair-a-mtp-nograph $left bench pair-a-mtp-nograph 0
     cp $B/logs/prep.log $B/logs/ck-*.log $B/logs/export-*.log $B/res/ 2>/dev/null
     cat $B/logs/*.log > $OUT/mtp.log 2>/dev/null
     log "done"; cp $B/progress $OUT/progress.txt ;;
