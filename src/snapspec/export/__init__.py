@@ -103,7 +103,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
     head_wanted = mtp.wanted(module, ckpt, with_mtp)
     draft_ids = _draft_ids(ckpt, spec, head_wanted, mtp_vocab, mtp_vocab_from, log)
-    head_quant = _head_quant(ckpt, head_wanted, mtp_quant)
+    head_quant = mtp.quant_for(ckpt, head_wanted, mtp_quant)
     try:
         dec, head, level = _build(opts, module, spec, weights, ckpt, ctx, data, head_wanted, draft_ids, head_quant,
                                    show_progress, log)
@@ -202,18 +202,6 @@ def _draft_ids(ckpt: Checkpoint, spec, head_wanted: bool, asked, files, log):
     log(f"MTP draft vocabulary: {len(ids)} of {spec.vocab} ids ("
         + (f"most frequent over {len(files)} file(s))" if files else "lowest ids, BPE merge order)"))
     return ids
-
-
-def _head_quant(ckpt: Checkpoint, head_wanted: bool, asked: str) -> str | None:
-    """The MTP head's own quantization (None: the target's); --mtp-quant without a head to apply it to is refused."""
-    if asked not in ("same", "int4"):
-        raise SnapspecError(f"unsupported MTP head quantization {asked!r}: use same or int4")
-    if asked == "same":
-        return None
-    if not head_wanted:
-        raise SnapspecError(f"--mtp-quant: {ckpt.folder} is exported without an MTP head (--no-mtp, or no mtp.* "
-                            "weights)")
-    return asked
 
 
 def _note_size(ckpt: Checkpoint, weights: Weights, dtype: str, quant: str, log) -> None:

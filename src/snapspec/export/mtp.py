@@ -63,6 +63,18 @@ def wanted(module, ckpt: Checkpoint, asked: bool) -> bool:
     return True
 
 
+def quant_for(ckpt: Checkpoint, head_wanted: bool, asked: str) -> str | None:
+    """The MTP head's own quantization (None: the target's); --mtp-quant without a head to apply it to is refused."""
+    if asked not in ("same", "int4"):
+        raise SnapspecError(f"unsupported MTP head quantization {asked!r}: use same or int4")
+    if asked == "same":
+        return None
+    if not head_wanted:
+        raise SnapspecError(f"--mtp-quant: {ckpt.folder} is exported without an MTP head (--no-mtp, or no mtp.* "
+                            "weights)")
+    return asked
+
+
 class HiddenDecoder(Decoder):
     """The target's Decoder with one more output, `hidden` [batch, sequence, hidden]: the post-final-norm hidden
     state of every input row, whatever `logits_to_keep` keeps (a prefill fills the head's KV cache from all of its
