@@ -115,7 +115,11 @@ def test_head_matches_reference(model_type, tiny_model, tiny_export):
 
 
 def _export(tiny_export, tiny_model, model_type: str, **kwargs) -> Path:
-    """The export of the tiny checkpoint with a head (tiny_export builds from tiny_model(model_type) only)."""
+    """The export of the tiny checkpoint with a head (tiny_export builds from tiny_model(model_type) only). The
+    head's linears as the target's (mtp_quant="same", not the int4 head an fp32 export gets by default): these tests
+    check the head's graph against the float reference and its weights shared with the target; test_mtp_quant.py
+    checks the int4 head."""
+    kwargs.setdefault("mtp_quant", "same")
     key = (model_type, tuple(sorted(kwargs.items())))
     if key not in _EXPORTS:
         out = Path(str(tiny_model(model_type, mtp=True)) + "-export-" + "-".join(f"{k}{v}" for k, v in kwargs.items()))

@@ -1,4 +1,4 @@
-"""An int4 MTP head over a float target (export --mtp-quant int4): the head's own linears and its own output
+"""An int4 MTP head over a float target (export --mtp-quant int4, the default for an fp32 export without --quant): the head's own linears and its own output
 projection in int4, the target's graphs and embedding untouched, drafts close to the float head's, and speculation
 with it still emitting the plain greedy tokens (the target verifies every draft)."""
 
@@ -20,15 +20,28 @@ PROMPT = "the cat sat on the mat and the dog sat on the log and the cat"
 
 @pytest.fixture(scope="module")
 def folders(tiny_model, tmp_path_factory):
-    """{label: export} of one tiny Qwen3.5 checkpoint with a head: float head, int4 head, int4 head over 48 ids."""
+    """{label: export} of one tiny Qwen3.5 checkpoint with a head: float head, int4 head (the default), int4 head over
+    48 ids, and the default's choice for fp16 and int4 targets."""
     hf = tiny_model("qwen3_5_text", mtp=True)
     root = tmp_path_factory.mktemp("mtp-quant")
     out = {}
-    for label, kw in (("float", {}), ("int4", {"mtp_quant": "int4"}),
-                      ("int4-subset", {"mtp_quant": "int4", "mtp_vocab": 48})):
+    for label, kw in (("float", {"mtp_quant": "same"}), ("int4", {}),
+                      ("int4-subset", {"mtp_quant": "int4", "mtp_vocab": 48}), ("fp16", {"dtype": "float16"}),
+                      ("int4-target", {"quant": "int4"})):
         export(hf, root / label, log=None, **kw)
         out[label] = root / label
     return out
+
+
+def test_default_is_int4_over_an_fp32_target_only(folders):
+    """auto: int4 over fp32 (the CPU path); an fp16 export's head stays fp16, an int4 target's head is int4 as the
+    target is."""
+    head = {label: manifest.load(folders[label]).data["mtp"] for label in folders}
+    assert head["int4"]["quant"] == "int4" and head["float"]["quant"] == "none"
+    assert head["fp16"]["quant"] == "none"
+    assert "MatMulNBits" not in _ops(manifest.load(folders["fp16"]).graph_path("mtp"))
+    assert head["int4-target"]["quant"] == "int4"
+    assert manifest.load(folders["int4-target"]).data["export"]["quant"] == "int4"
 
 
 def _ops(path: Path) -> set[str]:

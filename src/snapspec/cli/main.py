@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "else 32768 of them); output is the same, a smaller one makes draft steps cheaper")
     p.add_argument("--mtp-vocab-from", type=Path, nargs="+", default=None, metavar="FILE",
                    help="text files whose token counts choose --mtp-vocab's ids (default: the lowest ids)")
-    p.add_argument("--mtp-quant", choices=["same", "int4"], default="same",
-                   help="the MTP head's own weights: as the target's (default), or int4 over an fp32/fp16 target "
-                        "(cheaper draft steps on CPU; output is the same)")
+    p.add_argument("--mtp-quant", choices=["auto", "same", "int4"], default="auto",
+                   help="the MTP head's own weights: int4 over an fp32/fp16 target (cheaper draft steps; output is "
+                        "the same), or as the target's (same); default auto: int4 for an fp32 export without "
+                        "--quant, else same")
 
     p = sub.add_parser("generate", help="generate text, with or without a drafter")
     p.add_argument("--target", type=Path, required=True, help="exported folder of the model that decides the text")

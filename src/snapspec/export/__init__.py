@@ -40,7 +40,7 @@ FP32_NOTE_BYTES = 4e9  # a float32 export above this size says what the alternat
 def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", block_size: int | None = None,
            rollback_window: int = DEFAULT_WINDOW, max_context: int | None = None, force: bool = False,
            embedding_dtype: str | None = None, int4_accuracy: int | None = None, with_mtp: bool = True,
-           mtp_vocab: int | str | None = None, mtp_vocab_from: list | None = None, mtp_quant: str = "same",
+           mtp_vocab: int | str | None = None, mtp_vocab_from: list | None = None, mtp_quant: str = "auto",
            log=print) -> manifest.Manifest:
     """Export a checkpoint folder to `out_dir`, atomically: the folder appears complete or not at all.
 
@@ -74,9 +74,10 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            vocabulary up to 32,768 ids, else 32,768 of them), "all", or a count. Output is unchanged either way (the
            target verifies every draft); a smaller one makes each draft step cheaper (export/draft_vocab.py).
     mtp_vocab_from: text files whose token counts choose that subset (default: the lowest ids, BPE merge order).
-    mtp_quant: "same" (the head's linears as the target's) or "int4": the head's own linears in int4 (block and
-           accuracy level as an int4 target's) over a float32 or float16 target, with its own int4 copy of the output
-           projection; output is unchanged (the target verifies every draft), each draft step reads ~4-8x fewer bytes.
+    mtp_quant: "auto" (default: int4 over a float32 target without quant, else as the target), "same" (the head's
+           linears as the target's) or "int4": the head's own linears in int4 (block and accuracy level as an int4
+           target's) over a float32 or float16 target, with its own int4 copy of the output projection; output is
+           unchanged (the target verifies every draft), each draft step reads ~5x fewer bytes.
     log: called with each line of the summary (None: silent, and no progress bar).
     A model with recurrent state also gets `model_window.onnx` when W <= 8: the forward graph with onnxruntime's
     state_window (CUDA only), sharing the weights file; the runtime picks it for a target on CUDA (export/window.py).
@@ -103,7 +104,7 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
     data = [DataFile(tmp / "model.onnx.data"), DataFile(tmp / "replay.onnx.data")]
     head_wanted = mtp.wanted(module, ckpt, with_mtp)
     draft_ids = _draft_ids(ckpt, spec, head_wanted, mtp_vocab, mtp_vocab_from, log)
-    head_quant = mtp.quant_for(ckpt, head_wanted, mtp_quant)
+    head_quant = mtp.quant_for(ckpt, head_wanted, mtp_quant, opts.dtype, opts.quant)
     try:
         dec, head, level = _build(opts, module, spec, weights, ckpt, ctx, data, head_wanted, draft_ids, head_quant,
                                    show_progress, log)

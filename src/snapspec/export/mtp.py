@@ -63,16 +63,18 @@ def wanted(module, ckpt: Checkpoint, asked: bool) -> bool:
     return True
 
 
-def quant_for(ckpt: Checkpoint, head_wanted: bool, asked: str) -> str | None:
-    """The MTP head's own quantization (None: the target's); --mtp-quant without a head to apply it to is refused."""
-    if asked not in ("same", "int4"):
-        raise SnapspecError(f"unsupported MTP head quantization {asked!r}: use same or int4")
-    if asked == "same":
-        return None
-    if not head_wanted:
+def quant_for(ckpt: Checkpoint, head_wanted: bool, asked: str, dtype: str, quant: str) -> str | None:
+    """The MTP head's own quantization (None: the target's). auto: int4 over a float32 target without --quant (the
+    CPU path, where a head step costs its weight bytes: docs/mtp.md#an-int4-head-over-a-float-target), else the
+    target's. --mtp-quant int4 without a head to apply it to is refused."""
+    if asked not in ("auto", "same", "int4"):
+        raise SnapspecError(f"unsupported MTP head quantization {asked!r}: use auto, same or int4")
+    if asked == "int4" and not head_wanted:
         raise SnapspecError(f"--mtp-quant: {ckpt.folder} is exported without an MTP head (--no-mtp, or no mtp.* "
                             "weights)")
-    return asked
+    if asked == "auto":
+        asked = "int4" if dtype == "float32" and quant == "none" else "same"
+    return None if asked == "same" or not head_wanted else asked
 
 
 class HiddenDecoder(Decoder):
