@@ -24,7 +24,7 @@
 # --mtp-vocab value and times the head of each (default: auto only); PAIR=0 skips the pair-a benches (a), for a run
 # of the costs alone (c2 then needs only the second onnxruntime part: PAIR=0 scripts/gpu/h200_mtp_payload.sh).
 # ACCEPT: the per-position acceptance the cost stage predicts at (default: (a)'s JSON). BENCH=0 skips the pair-a
-# benches, BENCH_DRAFTERS="mtp" benches the head alone (default: pair-a's drafter and mtp); PROFILE=1 adds benchmarks/round_profile.py (MTP and pair-a's drafter, k = 3 and 5, CUDA graphs).
+# benches, REPS its repetitions (default 2), BENCH_DRAFTERS="mtp" benches the head alone (default: pair-a's drafter and mtp); PROFILE=1 adds benchmarks/round_profile.py (MTP and pair-a's drafter, k = 3 and 5, CUDA graphs).
 set -uo pipefail
 B=${MTP_DIR:-/tmp/mtp}
 EP=${EP:-cuda}; GRAPHS=${GRAPHS:-9}; LIMIT=${LIMIT:-16}; TOKENS=${TOKENS:-128}; KS=${KS:-1,2,3,4,6}
@@ -109,7 +109,7 @@ bench() {  # bench NAME GRAPHS
   local ds=""; for d in ${BENCH_DRAFTERS:-$B/pair/drafter mtp}; do ds="$ds --drafter $d"; done
   cd $B && py -m snapspec.cli.main bench --target $B/pair/target $ds \
     --ep $EP --cuda-graph $2 --prompts $B/pair/prompts.jsonl --limit $LIMIT --max-new-tokens $TOKENS \
-    --sweep --k $KS --rollback auto --reps 2 --json $OUT/$1.json
+    --sweep --k $KS --rollback auto --reps ${REPS:-2} --json $OUT/$1.json
 }
 cost() {  # cost SHAPE VOCAB
   cd $B && py $B/repo/benchmarks/mtp_cost.py --target $R/x-$1-$2 --ep $EP --cuda-graph $GRAPHS --context-fill 512 \
