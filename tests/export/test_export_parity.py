@@ -91,6 +91,24 @@ def test_multi_token_equals_single(model_type, ort_model):
         compare_states(multi.state, o.written(singles[k].state, n), o.entries, n, RTOL, what)
 
 
+def _assert_rows_bitwise(o, ids, ks) -> None:
+    """For each k in ks: a (k+1)-token forward after the prefix equals k+1 one-token forwards bit for bit, logits and
+    every state written."""
+    prefilled = o.forward(o.initial_state(), ids[:PREFIX], 0).state
+    singles, state = [], prefilled
+    for t in range(max(ks) + 1):
+        singles.append(o.forward(state, ids[PREFIX + t:PREFIX + t + 1], PREFIX + t))
+        state = singles[-1].state
+    for k in ks:
+        multi = o.forward(prefilled, ids[PREFIX:PREFIX + k + 1], PREFIX)
+        single = np.concatenate([s.logits for s in singles[:k + 1]], 1)
+        assert np.array_equal(multi.logits, single), \
+            f"{k + 1} tokens at once vs one at a time: max |diff| {np.abs(multi.logits - single).max():.2e}"
+        n = PREFIX + k + 1
+        for name, value in o.written(singles[k].state, n).items():
+            assert np.array_equal(o.written(multi.state, n)[name], value), f"{k + 1} tokens: state {name} differs"
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_fp32_multi_token_equals_single_bitwise(model_type, ort_model):
     """fp32 exports: a (k+1)-token forward equals k+1 one-token forwards bit for bit, logits and every state (what
@@ -103,19 +121,7 @@ def test_fp32_multi_token_equals_single_bitwise(model_type, ort_model):
         pytest.skip("sliding-window attention (LFM3, RecurrentGemma): a k-row forward's window rows differ from "
                     "one-token steps by ~2e-6 (docs/exactness.md); checked within 1e-4 by "
                     "test_multi_token_equals_single")
-    prefilled = o.forward(o.initial_state(), ids[:PREFIX], 0).state
-    singles, state = [], prefilled
-    for t in range(9):
-        singles.append(o.forward(state, ids[PREFIX + t:PREFIX + t + 1], PREFIX + t))
-        state = singles[-1].state
-    for k in (1, 3, 8):
-        multi = o.forward(prefilled, ids[PREFIX:PREFIX + k + 1], PREFIX)
-        single = np.concatenate([s.logits for s in singles[:k + 1]], 1)
-        assert np.array_equal(multi.logits, single), \
-            f"{k + 1} tokens at once vs one at a time: max |diff| {np.abs(multi.logits - single).max():.2e}"
-        n = PREFIX + k + 1
-        for name, value in o.written(singles[k].state, n).items():
-            assert np.array_equal(o.written(multi.state, n)[name], value), f"{k + 1} tokens: state {name} differs"
+    _assert_rows_bitwise(o, ids, (1, 3, 8))
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -130,19 +136,7 @@ def test_int4_multi_token_equals_single_bitwise(model_type, ort_model):
         assert o.manifest.data["export"]["int4_accuracy_level"] == 1
         pytest.skip("sliding-window exports keep float32 activations (accuracy level 1): not bitwise")
     assert o.manifest.data["export"]["int4_accuracy_level"] == 4
-    prefilled = o.forward(o.initial_state(), ids[:PREFIX], 0).state
-    singles, state = [], prefilled
-    for t in range(9):
-        singles.append(o.forward(state, ids[PREFIX + t:PREFIX + t + 1], PREFIX + t))
-        state = singles[-1].state
-    for k in (1, 2, 4, 8):
-        multi = o.forward(prefilled, ids[PREFIX:PREFIX + k + 1], PREFIX)
-        single = np.concatenate([s.logits for s in singles[:k + 1]], 1)
-        assert np.array_equal(multi.logits, single), \
-            f"{k + 1} tokens at once vs one at a time: max |diff| {np.abs(multi.logits - single).max():.2e}"
-        n = PREFIX + k + 1
-        for name, value in o.written(singles[k].state, n).items():
-            assert np.array_equal(o.written(multi.state, n)[name], value), f"{k + 1} tokens: state {name} differs"
+    _assert_rows_bitwise(o, ids, (1, 2, 4, 8))
 
 
 @pytest.mark.parametrize("asked", [None, 1, 4])

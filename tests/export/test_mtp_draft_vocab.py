@@ -25,7 +25,9 @@ def folders(tiny_model, tmp_path_factory):
     hf = tiny_model("qwen3_5_text", mtp=True)
     root = tmp_path_factory.mktemp("draft-vocab")
     out = {}
-    for label, kw in (("full", {}), ("subset", {"mtp_vocab": SUBSET}), ("int4", {"mtp_vocab": SUBSET, "quant": "int4"})):
+    # fp32 heads as the target's (mtp_quant="same"): the float subset path; test_mtp_quant.py checks int4 heads
+    for label, kw in (("full", {"mtp_quant": "same"}), ("subset", {"mtp_vocab": SUBSET, "mtp_quant": "same"}),
+                      ("int4", {"mtp_vocab": SUBSET, "quant": "int4"})):
         export(hf, root / label, log=None, **kw)
         out[label] = root / label
     return out
@@ -81,17 +83,22 @@ def test_counts_from_files_choose_the_tokens(tiny_model, tmp_path):
     assert set(np.flatnonzero(got["logits"][0, -1] > np.finfo(np.float32).min).tolist()) == set(ids.tolist())
 
 
-@pytest.mark.parametrize("label", ["subset", "int4"])
-def test_greedy_speculation_with_a_subset_head_equals_plain(folders, label):
+def check_mtp_equals_plain(folder: Path, text: str = PROMPT) -> None:
+    """Greedy MTP speculation emits plain greedy decoding's tokens for k = 1, 2, 3, 5, 8, and drafts at all."""
     from snapspec.runtime import Generator, load
 
-    t = load(folders[label], "cpu", threads=1)
-    prompt = t.encode(PROMPT)
+    t = load(folder, "cpu", threads=1)
+    prompt = t.encode(text)
     plain = Generator(t, prompt, max_new_tokens=20, stop_at_eos=False).run()
     for k in (1, 2, 3, 5, 8):
         g = Generator(t, prompt, drafter="mtp", max_new_tokens=20, draft_max=k, stop_at_eos=False)
         assert g.run() == plain, k
         assert g.stats.drafted > 0
+
+
+@pytest.mark.parametrize("label", ["subset", "int4"])
+def test_greedy_speculation_with_a_subset_head_equals_plain(folders, label):
+    check_mtp_equals_plain(folders[label])
 
 
 def test_options_refused_in_one_line(tiny_model, tiny_export, tmp_path, capsys):

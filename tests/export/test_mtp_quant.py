@@ -9,14 +9,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from test_mtp_draft_vocab import check_mtp_equals_plain
 from test_mtp_export import _run_head, _text_config
 from tiny import VOCAB
 
 from snapspec import SnapspecError, manifest
 from snapspec.export import export
-
-PROMPT = "the cat sat on the mat and the dog sat on the log and the cat"
-
 
 @pytest.fixture(scope="module")
 def folders(tiny_model, tmp_path_factory):
@@ -79,15 +77,7 @@ def test_int4_head_drafts_close_to_the_float_head(folders, tiny_model):
 
 @pytest.mark.parametrize("label", ["int4", "int4-subset"])
 def test_greedy_speculation_with_an_int4_head_equals_plain(folders, label):
-    from snapspec.runtime import Generator, load
-
-    t = load(folders[label], "cpu", threads=1)
-    prompt = t.encode(PROMPT)
-    plain = Generator(t, prompt, max_new_tokens=20, stop_at_eos=False).run()
-    for k in (1, 2, 3, 5, 8):
-        g = Generator(t, prompt, drafter="mtp", max_new_tokens=20, draft_max=k, stop_at_eos=False)
-        assert g.run() == plain, k
-        assert g.stats.drafted > 0
+    check_mtp_equals_plain(folders[label])
 
 
 def test_refused_without_a_head_in_one_line(tiny_model, tmp_path, capsys):

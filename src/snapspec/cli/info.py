@@ -126,10 +126,10 @@ def render(info: dict) -> str:
     if head:
         subset = (head.get("draft_vocab") or head["vocab"]) < head["vocab"]
         own = head.get("quant") == "int4" and info["export"].get("quant") != "int4"
-        shared = (f"embedding shared with the target; drafts over {head['draft_vocab']} ids" if subset else
-                  "embedding shared with the target; its own int4 output projection" if own else
+        shared = ("embedding shared with the target; its own int4 weights and output projection" if own else
+                  "embedding shared with the target" if subset else
                   "embedding and output projection shared with the target")
-        shared += "; int4 weights" if own else ""
+        shared += f"; drafts over {head['draft_vocab']} ids" if subset else ""
         con.print(f"MTP head: {head['graph']}, {head['layers']} layer, {_mb(head['bytes'] or 0)} of its own weights "
                   f"({shared}), KV {_mb(head['kv_bytes'])} at ctx {info['memory']['ctx']}")
     con.print("files: " + ", ".join(f"{k} {_mb(v)}" for k, v in info["files"].items()))
