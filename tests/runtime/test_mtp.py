@@ -223,7 +223,10 @@ def echo_head(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def headed(tiny_model, tmp_path_factory):
     """headed(arch, rollback, echo, init) -> the target loaded from an export of a tiny checkpoint with an MTP head:
-    random, or echoing the target (echo_head); init: the tiny model's initializer range (0.05: it repeats tokens)."""
+    random, or echoing the target (echo_head); init: the tiny model's initializer range (0.05: it repeats tokens).
+    The head as the target is (mtp_quant="same"): these tests compare its drafts with a fresh head's, which needs its
+    k-row forwards to equal its one-row ones on every CPU; an fp32 export's default int4 head
+    (tests/export/test_mtp_quant.py) is verified bitwise on AVX2 and AVX-512 only (docs/exactness.md)."""
     import shutil
 
     from snapspec.export import export
@@ -240,7 +243,7 @@ def headed(tiny_model, tmp_path_factory):
             if echo:
                 hf = echo_head(Path(shutil.copytree(hf, root / "hf")))
             folders[key] = root / "out"
-            export(hf, folders[key], dtype=dtype, quant=quant, log=lambda *a: None)
+            export(hf, folders[key], dtype=dtype, quant=quant, mtp_quant="same", log=lambda *a: None)
         run = key + (rollback, ep, cuda_graph)
         if run not in loaded:
             loaded[run] = load(folders[key], ep, threads=1 if ep == "cpu" else None, rollback=rollback,
