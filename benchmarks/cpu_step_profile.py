@@ -107,7 +107,7 @@ class Step:
         self.model = snap_model.load(folder, threads=threads, spin=spin)
         if session is not None:
             self.model = dataclasses.replace(self.model, session=session)
-        self.ctx = Context(self.model, depth + 1024)
+        self.ctx = Context(self.model, min(depth + 1024, self.model.manifest.max_context))
         rng = np.random.default_rng(1)
         self.prompt = rng.integers(10, min(self.model.vocab_size, 8000), depth).tolist()
 
