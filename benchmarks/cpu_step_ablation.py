@@ -12,7 +12,7 @@ threads):
             trivial nodes that give its output shape (Slice of one input column + Add of a constant row): the other
             ~260 kernels and onnxruntime's dispatch, with nothing streaming the weights between them
   floor     the weight MatMuls alone (cpu_step_profile.floor_session)
-  llama     llama-bench -p 0 -n STEPS -d DEPTH on the GGUF
+  llama     llama-bench -p 0 -n STEPS (at most 128) -d DEPTH --poll 50 on the GGUF (cpu_step_profile.llama_ms)
 interplay = full - no_mm - floor: what the two parts cost together beyond their sum. With `--profile`, onnxruntime's
 profiler runs full and no_mm (one thread) and compares each op type's kernel time: the same kernels, with and
 without a weight MatMul streaming megabytes through the caches before them.
@@ -35,9 +35,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from snapspec.runtime.genai_folder import read_manifest
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from cpu_step_profile import Step, floor_session, lscpu_flags, weight_matmuls  # noqa: E402
+from cpu_step_profile import Step, emit, floor_session, llama_ms, machine, weight_matmuls  # noqa: E402
 
 
 def without_matmuls(graph_path: Path, out: Path) -> int:
@@ -82,7 +84,7 @@ def child(a) -> dict:
                                        providers=["CPUExecutionProvider"])
         step = Step(a.target, 1, False, a.depth, session=session)  # the loaded model's own session is dropped
     else:
-        s, feeds, _ = floor_session(snap_model.load(a.target, threads=1).manifest.graph_path("forward"), a.threads, True)
+        s, feeds, _ = floor_session(read_manifest(a.target).graph_path("forward"), a.threads, True)
         b = s.io_binding()
         for k, v in feeds.items():
             b.bind_cpu_input(k, v)
@@ -105,15 +107,6 @@ def run_child(a, mode: str, threads: int, no_mm: Path) -> float:
     if out.returncode != 0:
         raise RuntimeError(f"{mode} failed: " + " | ".join(out.stderr.strip().splitlines()[-3:]))
     return json.loads(out.stdout.strip().splitlines()[-1])["ms"]
-
-
-def llama_ms(a, threads: int) -> float:
-    out = subprocess.run([str(a.llama / "llama-bench"), "-m", str(a.gguf), "-p", "0", "-n", str(min(a.steps, 128)),
-                          "-d", str(a.depth), "-t", str(threads), "-r", "2", "--poll", "50", "-o", "json"],
-                         capture_output=True, text=True, timeout=600, check=False)
-    if out.returncode != 0:
-        raise RuntimeError("llama-bench failed: " + " | ".join(out.stderr.strip().splitlines()[-3:]))
-    return 1e3 / json.loads(out.stdout)[0]["avg_ts"]
 
 
 def op_profile(a, graph: Path, threads: int) -> dict:
@@ -157,10 +150,7 @@ def main(argv=None) -> int:
         a.threads = int(a.threads)
         print(json.dumps(child(a)))
         return 0
-    from snapspec.runtime import model as snap_model
-    from snapspec.runtime.exactness import cpu_name
-    import onnxruntime as ort
-    graph = snap_model.load(a.target, threads=1).manifest.graph_path("forward")
+    graph = read_manifest(a.target).graph_path("forward")
     work = Path(tempfile.mkdtemp())
     a.no_mm = work / "no_mm.onnx"
     replaced = without_matmuls(graph, a.no_mm)
@@ -171,7 +161,7 @@ def main(argv=None) -> int:
             for mode in ("full", "no_mm", "floor"):
                 row[f"{mode}_ms"] = run_child(a, mode, t, a.no_mm)
             if a.gguf and a.llama:
-                row["llama_ms"] = llama_ms(a, t)
+                row["llama_ms"] = llama_ms(a.llama, a.gguf, min(a.steps, 128), a.depth, t, 50)[0]
             row["interplay_ms"] = row["full_ms"] - row["no_mm_ms"] - row["floor_ms"]
             row["load_after"] = os.getloadavg()[0]
             rows.append(row)
@@ -189,12 +179,8 @@ def main(argv=None) -> int:
         profile = {"full": op_profile(a, graph, 1), "no_mm": op_profile(a, a.no_mm, 1)}
     out = {"target": str(a.target), "gguf": str(a.gguf) if a.gguf else None, "weight_matmuls": replaced,
            "steps": a.steps, "depth": a.depth, "command": " ".join(sys.argv),
-           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": lscpu_flags(), "onnxruntime": ort.__version__},
-           "rounds": rows, "summary": summary, "profile": profile}
-    print(table(out))
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(out, indent=1) + "\n")
+           "machine": machine(), "rounds": rows, "summary": summary, "profile": profile}
+    emit(out, table(out), a.json)
     return 0
 
 

@@ -53,6 +53,20 @@ def lscpu_flags() -> list[str]:
     return [f for f in flags if f.startswith(("avx", "fma", "amx", "f16c"))]
 
 
+def machine() -> dict:
+    """The CPU figures are quoted beside: model, cores, SIMD flags, Python and onnxruntime."""
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": lscpu_flags(), "python": platform.python_version(),
+            "onnxruntime": ort.__version__}
+
+
+def emit(out: dict, text: str, path: Path | None) -> None:
+    """Print a run's table; write its JSON where asked."""
+    print(text)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+
+
 def weight_matmuls(graph_path: Path) -> list[onnx.NodeProto]:
     """The MatMul nodes whose weight is an initializer, and every MatMulNBits (int4), in graph order."""
     m = onnx.load(str(graph_path), load_external_data=False)
@@ -252,13 +266,9 @@ def main(argv=None) -> int:
     out = {"target": str(a.target), "gguf": str(a.gguf) if a.gguf else None, "steps": a.steps, "depth": a.depth,
            "matmuls": floor_info.get("matmuls"), "matmul_params": floor_info.get("params"),
            "hugepages": os.environ.get("SNAPSPEC_HUGEPAGES") != "0",
-           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": lscpu_flags(),
-                       "python": platform.python_version(), "onnxruntime": ort.__version__},
-           "command": " ".join(sys.argv), "rounds": rounds, "summary": summary, "profiles": profiles}
-    print(table(out))
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(out, indent=1) + "\n")
+           "machine": machine(), "command": " ".join(sys.argv), "rounds": rounds, "summary": summary,
+           "profiles": profiles}
+    emit(out, table(out), a.json)
     return 0
 
 

@@ -25,11 +25,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_step_profile import lscpu_flags
+from cpu_step_profile import emit, machine
 from mtp_cpu import llama_run, parse, same_prefix
 
 from snapspec.runtime import Generator, load
-from snapspec.runtime.exactness import cpu_name
 
 
 def snapspec_run(target, drafter, ids: list[int], n: int, k: int | None) -> dict:
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
     ratios = {n: summary[f"snapspec {n}"]["tokens_per_s"] / summary[f"llama.cpp {n}"]["tokens_per_s"] for n in names}
     best = {s: max(names[1:], key=lambda n: summary[f"{s} {n}"]["tokens_per_s"]) for s in ("snapspec", "llama.cpp")}
     out = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": lscpu_flags()},
+           "machine": machine(),
            "load_average": {"start": loads[0], "end": loads[-1], "max": max(loads)},
            "started_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)), "command": " ".join(sys.argv),
            "summary": summary, "snapspec_over_llama": ratios,
@@ -125,10 +124,7 @@ def main(argv=None) -> int:
            "speculative_ratio_best_each": summary[f"snapspec {best['snapspec']}"]["tokens_per_s"]
            / summary[f"llama.cpp {best['llama.cpp']}"]["tokens_per_s"],
            "runs": {k: [{x: v for x, v in r.items() if x not in ("ids", "text")} for r in rs] for k, rs in runs.items()}}
-    print(table(out))
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(out, indent=1) + "\n")
+    emit(out, table(out), a.json)
     return 0
 
 
