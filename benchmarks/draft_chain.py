@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import onnxruntime as ort
-    from snapspec.runtime import Context, Generator, ModelDrafter, stores_for, load
+    from snapspec.runtime import Context, Generator, ModelDrafter, store_for, load
 
     ks = [int(k) for k in a.k.split(",")]
     graphs = a.cuda_graph if a.ep == "cuda" else 0  # on CPU (a dry run) the fixed-address path runs uncaptured
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
 
     def contexts():
         kw = {"window": window, "graph_tokens": a.cuda_graph, "spare_row": bool(a.spare_row)}
-        return (Context(target, ctx_len, mode=stores_for(target), **kw),
-                Context(drafter, ctx_len, mode=stores_for(drafter, "drafter"), **kw))
+        return (Context(target, ctx_len, mode=store_for(target, "target"), **kw),
+                Context(drafter, ctx_len, mode=store_for(drafter, "drafter"), **kw))
 
     res = {"target": str(a.target), "drafter": str(a.drafter), "cuda_graph": a.cuda_graph, "spare_row": a.spare_row,
            "onnxruntime": ort.__version__, "prompts": len(ids), "max_new_tokens": a.max_new_tokens}

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
 
-    from snapspec.runtime import Context, Generator, ModelDrafter, stores_for, load
+    from snapspec.runtime import Context, Generator, ModelDrafter, store_for, load
 
     ks = [int(k) for k in a.k.split(",")]
     prompts = [json.loads(x)["prompt"] for x in a.prompts.read_text().splitlines() if x.strip()][:a.limit]
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         ctx_len = max(len(i) for i in ids) + a.max_new_tokens + window + 2
         for spare in (False, True):
             def ctx(model, role, spare=spare, ctx_len=ctx_len, window=window):
-                return Context(model, ctx_len, mode=stores_for(model, role), window=window, spare_row=spare)
+                return Context(model, ctx_len, mode=store_for(model, role), window=window, spare_row=spare)
             tctx = ctx(target, "target")
             name = f"graphs={graphs} spare_row={int(spare)}"
             plain = []

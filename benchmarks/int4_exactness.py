@@ -49,13 +49,13 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
 
 def equality(target, drafter, prompts: list[str], ks, new_tokens: int) -> dict:
     """Per k, the first token where each prompt's speculative output leaves plain greedy output (None: equal)."""
-    from snapspec.runtime import Generator, ModelDrafter, open_context
+    from snapspec.runtime import Generator, ModelDrafter, Policy
 
     ids = [target.encode(p) for p in prompts]
     window = max(max(ks), target.manifest.rollback["window"])
     length = max(len(i) for i in ids) + new_tokens + window + 2
-    tctx = open_context(target, length, side="target", window=window)
-    dctx = open_context(drafter, length, side="drafter", window=window)
+    tctx = Policy(target, window=window).open(target, length, "target")
+    dctx = Policy(drafter, window=window).open(drafter, length, "drafter")
     plain = []
     for i in ids:
         tctx.reset()

@@ -55,10 +55,10 @@ def profile_model(folder: Path, ep: str, cuda_graph: int, steps: int, fill: int,
     from torch.profiler import ProfilerActivity, profile
 
     from snapspec.runtime import Context, load
-    from snapspec.runtime.context import stores_for
+    from snapspec.runtime.policy import store_for
 
     model = load(str(folder), ep, role=role, cuda_graph=cuda_graph)
-    ctx = Context(model, fill + 4 * steps + 64, mode=stores_for(model, role))
+    ctx = Context(model, fill + 4 * steps + 64, mode=store_for(model, role), window=model.manifest.rollback["window"])
     ctx.prefill(list(range(1, fill + 1)), logits=False)
     tok = 1
 

@@ -61,12 +61,12 @@ def acceptance(folder: Path, prompts: list[str], k: int, new: int, threads: int)
 
 def step_costs(folders: list[Path], reps: int, fill: int, threads: int) -> dict[str, dict]:
     """Median one-token target step and one-row head step per folder, interleaved over folders."""
-    from snapspec.runtime import load, open_context
+    from snapspec.runtime import load, Policy
     from snapspec.runtime.drafters.mtp_head import OnnxHead
     runs = {}
     for f in folders:
         t = load(f, "cpu", threads=threads)
-        ctx = open_context(t, fill + reps + 8)
+        ctx = Policy(t).open(t, fill + reps + 8, "target")
         rows = ctx.forward(list(range(1, fill + 1)), keep=1)
         head = OnnxHead(t, fill + reps + 8)
         hidden = np.zeros((fill, t.manifest.data["mtp"]["hidden_size"]), np.float32)

@@ -20,11 +20,11 @@ import numpy as np
 
 
 def measure(target: Path, spin: bool, head_threads: int | None, threads: int, reps: int) -> dict:
-    from snapspec.runtime import load, open_context
+    from snapspec.runtime import load, Policy
     from snapspec.runtime.drafters.mtp_head import OnnxHead
 
     t = load(target, "cpu", threads=threads, spin=spin)
-    ctx = open_context(t, 256 + 16)
+    ctx = Policy(t).open(t, 256 + 16, "target")
     ctx.forward(list(range(1, 257)), keep=1)
     head = OnnxHead(t, 256 + 16, threads=head_threads)
     hidden = np.zeros((256, head.hidden_size), head.hidden_dtype)

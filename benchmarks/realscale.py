@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import onnxruntime as ort
-    from snapspec.runtime import Context, stores_for, load
+    from snapspec.runtime import Context, store_for, load
     from snapspec.runtime.adaptive import measure_costs
 
     mem = GpuMemory()
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ids = rng.integers(0, vocab, a.prompt_len).tolist()
     window = max(a.k_max + 1, target.manifest.rollback["window"])
     ctx_len = a.prompt_len + a.decode + a.context_fill + window + 8
-    tctx = Context(target, ctx_len, mode=stores_for(target), window=target.manifest.rollback["window"])
+    tctx = Context(target, ctx_len, mode=store_for(target, "target"), window=target.manifest.rollback["window"])
     res = {"label": a.label, "target": str(a.target), "drafter": str(a.drafter) if a.drafter else None,
            "ep": a.ep, "cuda_graph": a.cuda_graph, "onnxruntime": ort.__version__, "load_s": load_s,
            "target_export": target.manifest.data["export"], "target_mode": tctx.mode, "context": ctx_len}
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     print(f"target prefill {res['target_prefill']['tokens_per_s']:.0f} t/s, decode "
           f"{res['target_decode']['tokens_per_s']:.1f} t/s", flush=True)
     if drafter is not None:
-        dctx = Context(drafter, ctx_len, mode=stores_for(drafter, "drafter"),
+        dctx = Context(drafter, ctx_len, mode=store_for(drafter, "drafter"),
                        window=target.manifest.rollback["window"])
         res["drafter_export"] = drafter.manifest.data["export"]
         res["drafter_decode"] = decode_tps(dctx, a.decode, a.reps, first=ids[0])

@@ -49,7 +49,7 @@ def _vm(field: str) -> float:
 
 
 def child(a) -> dict:
-    from snapspec.runtime import Context, stores_for, load
+    from snapspec.runtime import Context, store_for, load
 
     t0 = time.perf_counter()
     model = load(a.folder, threads=a.threads)
@@ -79,8 +79,8 @@ def child(a) -> dict:
 
         drafter = load(a.drafter, threads=a.drafter_threads, role="drafter", spin=False)
         window = model.manifest.rollback["window"]
-        tctx = Context(model, 128, mode=stores_for(model), window=window)
-        dctx = Context(drafter, 128, mode=stores_for(drafter, "drafter"), window=window)
+        tctx = Context(model, 128, mode=store_for(model, "target"), window=window)
+        dctx = Context(drafter, 128, mode=store_for(drafter, "drafter"), window=window)
         tctx.prefill(ids[:64], logits=False)
         dctx.prefill(ids[:64], logits=False)
         n_max = min(a.k_max, tctx.depth) + 1

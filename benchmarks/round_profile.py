@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, required=True)
     a = ap.parse_args()
 
-    from snapspec.runtime import Model, load, open_context
+    from snapspec.runtime import Model, load, Policy
     from snapspec.runtime.pair import make_drafter
 
     target = load(a.target, a.ep, threads=a.threads, cuda_graph=a.cuda_graph)
@@ -65,8 +65,8 @@ def main() -> None:
     drafter = make_drafter(target, drafter)
     prompts = [json.loads(line)["prompt"] for line in a.prompts.read_text().splitlines() if line.strip()][: a.limit]
     length = max(len(target.encode(p)) for p in prompts) + a.max_new_tokens + 16
-    contexts = (open_context(target, length, side="target"),
-                open_context(drafter, length, side="drafter") if isinstance(drafter, Model) else None)
+    contexts = (Policy(target).open(target, length, "target"),
+                Policy(drafter).open(drafter, length, "drafter") if isinstance(drafter, Model) else None)
     runs = lambda: generations(target, drafter, contexts, prompts, a.k, a.max_new_tokens)  # noqa: E731
     runs()  # warm: graphs captured, buffers made
     plain = lambda: generations(target, None, (contexts[0], None), prompts, a.k, a.max_new_tokens)  # noqa: E731

@@ -107,8 +107,8 @@ def test_inexact_cpu_runs_level_1(inexact, tiny_export, caplog):
 
 
 def _logits(m, ids: np.ndarray) -> np.ndarray:
-    from snapspec.runtime.pair import open_context
-    return open_context(m, 64).forward(ids[0].tolist()).logits
+    from snapspec.runtime import Policy
+    return Policy(m).open(m, 64, "target").forward(ids[0].tolist()).logits
 
 
 def test_bitwise_cpu_runs_the_folder_as_is(monkeypatch, tiny_export, caplog):

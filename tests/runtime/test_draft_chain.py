@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from snapspec.runtime import Context, Generator, stores_for, load
+from snapspec.runtime import Context, Generator, store_for, load
 from snapspec.runtime.contract import rel_err
 
 from snapspec import SnapspecError
@@ -32,7 +32,7 @@ def test_chained_draft_equals_one_step_drafts(tiny_export, arch):
     """Rounds of drafts of k = 1..8 after one or two fed tokens, each followed by a rollback to a random accepted
     position: the same tokens, positions, consumed tokens, reachable positions and state as one-step drafts."""
     model = load(tiny_export(arch), threads=1)
-    mode = stores_for(model, "drafter")
+    mode = store_for(model, "drafter")
     ref, chained = Context(model, 96, mode=mode, window=8), Context(model, 96, mode=mode, window=8, graph_tokens=2)
     assert chained.chains and not ref.chains
     rng = np.random.default_rng(7)
@@ -115,8 +115,8 @@ def test_chained_speculation_equals_plain_greedy(tiny_export, target, drafter):
     prompt = t.encode("def forward(self, x):")
     plain = Generator(t, prompt, max_new_tokens=40, stop_at_eos=False).run()
     for k in range(1, 9):
-        tctx = Context(t, 96, mode=stores_for(t), window=8, graph_tokens=9)
-        dctx = Context(d, 96, mode=stores_for(d, "drafter"), window=8, graph_tokens=2)
+        tctx = Context(t, 96, mode=store_for(t, "target"), window=8, graph_tokens=9)
+        dctx = Context(d, 96, mode=store_for(d, "drafter"), window=8, graph_tokens=2)
         calls = []
         dctx.draft = _counting(dctx.draft, calls)
         g = Generator(t, prompt, drafter=d, max_new_tokens=40, draft_max=k, stop_at_eos=False, target_ctx=tctx,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from snapspec.runtime import Context, stores_for, load
+from snapspec.runtime import Context, store_for, load
 from snapspec.runtime.contract import rel_err
 from snapspec.runtime.device.copy import Copier, Region
 
@@ -45,7 +45,7 @@ def _script(ctx_a, ctx_b, rng, vocab):
 @pytest.mark.parametrize("role", ["target", "drafter"])
 def test_fixed_steps_equal_ordinary_forwards(tiny_export, arch, role):
     model = load(tiny_export(arch))
-    mode = stores_for(model, role)
+    mode = store_for(model, role)
     plain = Context(model, 64, mode=mode, window=4)
     fixed = Context(model, 64, mode=mode, window=4, graph_tokens=3)
     assert fixed.steps is not None and plain.steps is None

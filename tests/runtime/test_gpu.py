@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapspec.runtime import Context, Generator, ModelDrafter, stores_for, load
+from snapspec.runtime import Context, Generator, ModelDrafter, Policy, store_for, load
 from snapspec.runtime.providers import available
 from snapspec.runtime import contract
 
@@ -47,7 +47,7 @@ def test_webgpu_fp16_numerics(tiny_export, target):
     first differing token at 16-23 of 24). The trained pair-a passes every check in fp16 (docs/benchmarks/webgpu.md)."""
     _need("webgpu")
     t = load(tiny_export(target, dtype="float16"), "webgpu")
-    checks = [contract.check_multi_vs_single(t), contract.check_rollback(t, stores_for(t))]
+    checks = [contract.check_multi_vs_single(t), contract.check_rollback(t, store_for(t, "target"))]
     assert not _failed(checks)
 
 
@@ -58,7 +58,7 @@ def test_state_window_on_cuda(tiny_export, target):
     folder = tiny_export(target, dtype="float16")
     win, rep = load(folder, "cuda"), load(folder, "cuda", rollback="replay")
     drafter = load(tiny_export("qwen3" if target == "lfm2" else "lfm2", dtype="float16"), "cuda", role="drafter")
-    assert Context(win).mode == "window" and Context(rep).mode == "replay"
+    assert Policy(win).open(win, 64, "target").mode == "window" and Policy(rep).open(rep, 64, "target").mode == "replay"
     assert not _failed(contract.run_checks(win, drafter, window=8, new_tokens=24))
     ids = rep.encode("def forward(self, x):")
     for k in (1, 3, 7):
@@ -76,7 +76,7 @@ def test_gpu_logits_match_cpu(tiny_export, ep, dtype):
     folder = tiny_export("qwen3_5_text", dtype=dtype)
     cpu, gpu = load(folder), load(folder, ep)
     ids = cpu.encode("def forward(self, x):") + list(range(5, 21))
-    a, b = Context(cpu, 64), Context(gpu, 64)
+    a, b = Policy(cpu).open(cpu, 64, "target"), Policy(gpu).open(gpu, 64, "target")
     rows_a, rows_b = [a.forward(ids[:8]).logits], [b.forward(ids[:8]).logits]
     for t in ids[8:]:
         rows_a.append(a.forward([t]).logits)
@@ -97,7 +97,7 @@ def test_cuda_graph_steps_match_uncaptured(tiny_export, target, drafter):
     graph_t, graph_d = load(tf, "cuda", cuda_graph=9), load(df, "cuda", role="drafter", cuda_graph=9)
     ids = plain_t.encode("def forward(self, x):")
     for model, ref in ((graph_t, plain_t), (graph_d, plain_d)):  # step by step, logits compared
-        a, b = Context(ref, 64), Context(model, 64)
+        a, b = Policy(ref).open(ref, 64, ref.role), Policy(model).open(model, 64, model.role)
         ra, rb = a.prefill(ids), b.prefill(ids)
         errs = [contract.rel_err(rb.logits, ra.logits)]
         tok = int(ra.ids[-1])
@@ -125,7 +125,7 @@ def test_device_checkpoint_equals_host(tiny_export, target, recurrent, role):
     _need("cuda")
     model = load(tiny_export(target, dtype="float16"), "cuda", rollback=recurrent, role=role)
     ids = model.encode("import numpy as np\nclass Buffer:")
-    dev, host = Context(model, 64, mode=stores_for(model, role)), Context(model, 64, mode=stores_for(model, role))
+    dev, host = Context(model, 64, mode=store_for(model, role), window=8), Context(model, 64, mode=store_for(model, role), window=8)
     host.copy.kind = "host"
     assert dev.copy.kind == "cudart"
     snaps = []
@@ -159,7 +159,7 @@ def test_chained_drafts_on_cuda_graphs(tiny_export, target, drafter):
     _need("cuda")
     tf, df = tiny_export(target, dtype="float16"), tiny_export(drafter, dtype="float16")
     t, d = load(tf, "cuda", cuda_graph=9), load(df, "cuda", role="drafter", cuda_graph=9)
-    mode = stores_for(d, "drafter")
+    mode = store_for(d, "drafter")
     # both capture; the reference reads each step back instead of chaining
     ref, chained = Context(d, 96, mode=mode, window=8), Context(d, 96, mode=mode, window=8)
     assert chained.chains

@@ -313,7 +313,7 @@ def test_greedy_mtp_fp16_and_int4(headed, dtype, quant):
 def test_drafts_equal_the_head_over_the_whole_history(headed):
     """Each round's drafts equal those of a fresh head fed every pair (t_{p+1}, h_p) of the sequence, h from one
     target forward over it: the hidden rows reach the head at the right positions, across rounds and rollbacks."""
-    from snapspec.runtime import Generator, open_context
+    from snapspec.runtime import Generator, Policy
     from snapspec.runtime.drafters.mtp_head import OnnxHead
 
     t = headed("qwen3_5_text")
@@ -321,7 +321,7 @@ def test_drafts_equal_the_head_over_the_whole_history(headed):
     Generator(t, t.encode(PROMPT), drafter=drafter, max_new_tokens=16, draft_max=3, stop_at_eos=False).run()
     assert len(drafter.rounds) >= 4
     for seq, draft in drafter.rounds[:4]:
-        ctx = open_context(t, len(seq) + 1)
+        ctx = Policy(t).open(t, len(seq) + 1, "target")
         ctx.hidden = True
         h = ctx.forward(seq[:-1], logits=False).hidden
         head = OnnxHead(t, len(seq) + 4)
@@ -460,13 +460,13 @@ def test_cli_chat_with_mtp(headed):
 def test_fixed_address_target_forwards(headed):
     """The target's forwards on the fixed-address path (what CUDA graphs replay; on CPU it runs without capture):
     its hidden rows come from the buffers bound once per shape, and greedy MTP speculation still equals plain."""
-    from snapspec.runtime import Generator, open_context
+    from snapspec.runtime import Generator, Policy
 
     t = headed("qwen3_5_text", echo=True)
     prompt = t.encode(PROMPT)
     plain = Generator(t, prompt, max_new_tokens=16, stop_at_eos=False).run()
     for k in (1, 3):
-        tctx = open_context(t, 64, side="target", graph_tokens=8)
+        tctx = Policy(t).open(t, 64, "target", graph_tokens=8)
         assert tctx.captured is not None
         g = Generator(t, prompt, drafter="mtp", max_new_tokens=16, draft_max=k, target_ctx=tctx, stop_at_eos=False)
         assert g.run() == plain, k
@@ -510,7 +510,7 @@ def test_chained_head_equals_plain_and_the_ordinary_head(headed, arch):
     the argmax and output hidden of the one before by device copies) reach the verify as device ids; the output
     equals plain greedy for k = 1..8 with the target on the ordinary and the fixed-address path, and each round's
     drafts equal those of an ordinary head fed the whole history."""
-    from snapspec.runtime import Generator, open_context
+    from snapspec.runtime import Generator, Policy
     from snapspec.runtime.drafters.mtp_head import OnnxHead
 
     t = headed(arch, echo=True)
@@ -518,7 +518,7 @@ def test_chained_head_equals_plain_and_the_ordinary_head(headed, arch):
     plain = Generator(t, prompt, max_new_tokens=20, stop_at_eos=False).run()
     for k in range(1, 9):
         for fixed in (False, True):
-            tctx = open_context(t, 96, side="target", graph_tokens=8) if fixed else None
+            tctx = Policy(t).open(t, 96, "target", graph_tokens=8) if fixed else None
             d = ChainRecording(t)
             g = Generator(t, prompt, drafter=d, max_new_tokens=20, draft_max=k, target_ctx=tctx, context=96,
                           stop_at_eos=False)
@@ -526,7 +526,7 @@ def test_chained_head_equals_plain_and_the_ordinary_head(headed, arch):
             assert d.head.chains and d.rounds and all(dev for _, _, dev in d.rounds)
             assert (g.stats.rollbacks.get("drafter:truncate", 0) > 0) == (k > 1)
     seq, draft, _ = d.rounds[len(d.rounds) // 2]
-    ctx = open_context(t, len(seq) + 1)
+    ctx = Policy(t).open(t, len(seq) + 1, "target")
     ctx.hidden = True
     h = ctx.forward(seq[:-1], logits=False).hidden
     head = OnnxHead(t, len(seq) + 9)

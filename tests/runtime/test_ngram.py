@@ -240,8 +240,8 @@ def test_sampled_law_with_ngram_drafts(k, top_k):
     for _ in range(n):
         out: list[int] = []
         while len(out) < 2:
-            assert drafter.available(prompt + out, k) == k
             draft = drafter.propose(prompt + out, k)
+            assert draft.n == k
             assert all(q[d] == 1.0 and q.sum() == 1.0 for d, q in zip(draft.tokens, draft.q))
             rows = np.stack([_logits(0, out + draft.tokens[:i]) for i in range(k + 1)])
             j, nxt = accept(draft.tokens, draft.q, rows, params, rng)
@@ -333,10 +333,10 @@ class _Recorder(NgramDrafter):
         super().start(prompt, **kw)
         self.on = True
 
-    def available(self, seq, k):
-        found = super().available(seq, k)
-        self.events.append(("lookup", len(seq), k, found))
-        return found
+    def propose(self, seq, k):
+        draft = super().propose(seq, k)
+        self.events.append(("lookup", len(seq), k, draft.n if k else 0))
+        return draft
 
     def measure_costs(self, tctx, n_max, reps=3, tokens=None):
         self.events.append(("calibrate",))
@@ -348,10 +348,10 @@ class _Recorder(NgramDrafter):
 
 
 def _recorded_run(t, prompt, new_tokens, draft_max, n_min, n_max):
-    from snapspec.runtime import Context, stores_for
+    from snapspec.runtime import Context, store_for
     events: list = []
     drafter = _Recorder(events, t.vocab_size, n_min, n_max)
-    ctx = Context(t, len(prompt) + new_tokens + 8, mode=stores_for(t), window=8)
+    ctx = Context(t, len(prompt) + new_tokens + 8, mode=store_for(t, "target"), window=8)
     forward, rollback = ctx.forward, ctx.rollback
 
     def logged_forward(tokens, keep=None, logits=True):
@@ -424,9 +424,9 @@ def test_adaptive_k_stops_drafting_when_found_drafts_are_wrong(model):
     plain = Generator(t, prompt, max_new_tokens=60, stop_at_eos=False).run()
 
     class WrongDrafter(NgramDrafter):
-        def available(self, seq, k):
+        def propose(self, seq, k):
             self.index.lookup = lambda k: [(plain[len(seq) - len(prompt)] + 1) % t.vocab_size] * k
-            return super().available(seq, k)
+            return super().propose(seq, k)
 
     costs = Costs(C=[1.0, 1.15, 1.26, 1.32, 1.49, 1.67, 1.9, 2.0, 2.1], c=1e-4, r=0.05)
     events: list = []

@@ -258,6 +258,7 @@ def test_mark_with_window_and_ring_stores(tmp_path, monkeypatch):
 
     from snapspec.runtime import Generator, PromptCache
     from snapspec.runtime import model as model_mod
+    from snapspec.runtime.prompt import Prompt
 
     (tmp_path / "t").mkdir()
     (tmp_path / "d").mkdir()
@@ -269,12 +270,11 @@ def test_mark_with_window_and_ring_stores(tmp_path, monkeypatch):
     assert target.state_window and drafter.state_window is None
     cache = PromptCache(target, drafter, context=200)
     first = list(range(3, 40))
-    gen = cache.generator(target, first, 30, drafter=drafter, max_new_tokens=24, draft_max=3, stop_at_eos=False)
+    gen = cache.generator(Prompt(first, 30), max_new_tokens=24, draft_max=3, stop_at_eos=False)
     gen.run()
     assert gen.stats.prompt_reused == 0 and "target:window" in gen.modes_used
     second = first[:30] + [9, 8, 7] + gen.tokens + [1, 2]  # differs from the first prompt right after the mark
-    gen2 = cache.generator(target, second, len(second) - 1, drafter=drafter, max_new_tokens=24, draft_max=3,
-                           stop_at_eos=False)
+    gen2 = cache.generator(Prompt(second, len(second) - 1), max_new_tokens=24, draft_max=3, stop_at_eos=False)
     assert gen2.run() == Generator(target, second, max_new_tokens=24, stop_at_eos=False).run()
     assert gen2.stats.prompt_reused == 30 and gen2.stats.prompt_prefilled == len(second) - 30
 

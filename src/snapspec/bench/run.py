@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from snapspec import SnapspecError
-from snapspec.runtime import Generator, Model, ModelDrafter, SamplingParams, Stats, open_context
-from snapspec.runtime.rollback import undo_depth
+from snapspec.runtime import Generator, Pair
 
 from . import figures
 from .plan import Config, Plan
@@ -39,9 +38,10 @@ def steps(plan: Plan, drafters: int, prompts: int, reps: int, vs_genai: bool = F
 
 @dataclass
 class Bench:
-    """The target, the drafters and their contexts, sized for the longest prompt and draft; runs of one setting."""
+    """The target and one Pair per drafter (sharing the target's context), sized for the longest prompt and draft;
+    runs of one setting."""
 
-    target: Model
+    target: object
     drafters: list
     ids: list[list[int]]
     max_new_tokens: int
@@ -52,10 +52,11 @@ class Bench:
         ctx_len = max(len(i) for i in self.ids) + self.max_new_tokens + self.window + 2
         if ctx_len > self.target.manifest.max_context:
             raise SnapspecError(f"prompts plus {self.max_new_tokens} new tokens need a context of {ctx_len}, over "
-                                f"the export's {self.target.manifest.max_context}")
+                                f"the export's {self.target.manifest.max_context} (snapspec export --max-context)")
         self.ctx_len = ctx_len
-        self.tctx = open_context(self.target, ctx_len, side="target", window=self.window)
-        self.dctxs = [open_context(d, ctx_len, side="drafter", window=self.window) if isinstance(d, Model) else None
+        self.plain = Pair(self.target, None, length=ctx_len, window=self.window)
+        self.tctx = self.plain.tctx
+        self.pairs = [Pair(self.target, d, length=ctx_len, window=self.window, target_ctx=self.tctx)
                       for d in self.drafters]
         if self.tctx.recurrent and self.tctx.mode not in ("replay", "window"):
             raise SnapspecError(f"{self.target.folder} cannot roll back its recurrent state without a checkpoint (no "
@@ -64,41 +65,27 @@ class Bench:
         self.costs = []
 
     def longest_draft(self) -> int:
-        """The longest draft every model here rolls back without a checkpoint (rollback.undo_depth), within the
-        window."""
-        depths = [undo_depth(m) for m in [self.target, *self.drafters] if isinstance(m, Model)]
-        return min([self.window] + [d for d in depths if d is not None])
+        """The longest draft every pair here rolls back without a checkpoint, within the window (policy.k_max)."""
+        return min([self.window] + [p.policy.k_max for p in self.pairs])
 
     def measure_costs(self, labels: list[str]) -> None:
-        """The cost model's terms of each drafter, on contexts prefilled with the first prompt, for every draft
-        length up to the window: adaptive k chooses among all of them, as in a generation."""
+        """The cost model's terms of each drafter, on contexts that hold the first prompt, for every draft length up
+        to the longest bounded one: adaptive k chooses among all of them, as in a generation."""
         first = self.ids[0]
-        # Target forwards up to the largest verify the target undoes in place (rollback.undo_depth: W - 1 on the
-        # state-window graph), each rolled back to one kept token, as the Pair bounds a generation's window.
-        n = min(self.window, undo_depth(self.target) or self.window) + 1
-        for src, d in enumerate(self.drafters):
+        for src, pair in enumerate(self.pairs):
             self.progress.phase(f"cost model ({labels[src]})")
-            dctx = self.dctxs[src]
-            self.tctx.reset()
-            self.tctx.hidden = dctx is None and d.wants_hidden  # an MTP head reads the target's hidden rows
-            rows = self.tctx.prefill(first, logits=False)
-            if dctx is not None:
-                dctx.reset()
-                dctx.prefill(first, logits=False)
-                d = ModelDrafter(dctx)
-            else:
-                d.size(self.ctx_len)
-                d.start(first, sampling=SamplingParams(), rng=np.random.default_rng(0), stats=Stats(), prefill=rows)
-            self.costs.append(d.measure_costs(self.tctx, n, reps=9, tokens=(first * n)[:n]))
+            n = pair.policy.k_max + 1  # target forwards up to the largest verify it undoes in place
+            pair.reset()
+            Generator(self.target, first, pair=pair, max_new_tokens=1, stop_at_eos=False).run()  # prefill, start
+            self.costs.append(pair.costs(n, reps=9, tokens=(first * n)[:n]))
             self.progress.step()
 
     def plain_pass(self):
         """(tokens/s, the outputs) of plain greedy decoding over every prompt."""
         toks, secs, outs = 0, 0.0, []
         for i in self.ids:
-            self.tctx.reset()  # every run from scratch: a reused context would resume what the last run left
-            g = Generator(self.target, i, max_new_tokens=self.max_new_tokens, stop_at_eos=False,
-                          target_ctx=self.tctx)
+            self.plain.reset()  # every run from scratch: a reused context would resume what the last run left
+            g = Generator(self.target, i, max_new_tokens=self.max_new_tokens, stop_at_eos=False, pair=self.plain)
             g.run()
             toks += len(g.tokens) - 1
             secs += g.stats.seconds["decode"]
@@ -111,14 +98,11 @@ class Bench:
         against `reference` (the plain outputs) when given; `accepted` counts the rounds by their accepted draft
         tokens (a step's tokens less the target's own one; a missed lookup counts as 0)."""
         toks, secs, stats = 0, 0.0, []
-        dctx = self.dctxs[cfg.source]
+        pair = self.pairs[cfg.source]
         for n, i in enumerate(self.ids):
-            self.tctx.reset()
-            if dctx is not None:
-                dctx.reset()
-            g = Generator(self.target, i, drafter=self.drafters[cfg.source], max_new_tokens=self.max_new_tokens,
-                          stop_at_eos=False, draft_max=cfg.k, rollback=cfg.rollback, window=self.window,
-                          target_ctx=self.tctx, drafter_ctx=dctx, costs=self.costs[cfg.source])
+            pair.reset()
+            g = Generator(self.target, i, pair=pair, max_new_tokens=self.max_new_tokens, stop_at_eos=False,
+                          draft_max=cfg.k, rollback=cfg.rollback, costs=self.costs[cfg.source])
             for step, new in enumerate(g):
                 if accepted is not None and step:  # step 0: the prefill's token
                     accepted[len(new) - 1] += 1

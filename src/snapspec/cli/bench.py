@@ -19,7 +19,7 @@ from pathlib import Path
 import snapspec
 from snapspec import SnapspecError
 
-from .options import add_json_flag, draft_max
+from .options import ROLLBACK, add_json_flag, draft_max
 
 log = logging.getLogger("snapspec")
 
@@ -41,7 +41,7 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--k", default=None, help="comma-separated fixed draft lengths to measure (with adaptive k)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and run (default 128)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (default 3)")
-    p.add_argument("--rollback", choices=["auto", "replay", "window", "checkpoint", "both"], default=None,
+    p.add_argument("--rollback", choices=[*ROLLBACK, "both"], default=None,
                    help="bounded rollback (auto, or the target's replay / window forced), the checkpoint baseline, "
                         "or both auto and checkpoint (default: both with --sweep, else auto)")
     p.add_argument("--vs-genai", action="store_true",
@@ -97,12 +97,9 @@ def _check_flags(args) -> None:
 
 def _measure(args, target, drafters, prompts, bar) -> dict:
     from snapspec.bench.run import run_bench, steps
-    from snapspec.runtime.pair import check_pair
 
     from .options import drafter_label
 
-    for d in _models(drafters):
-        check_pair(target, d)
     plan = make_plan(args, target, drafters)
     bar.extend(steps(plan, len(drafters), len(prompts), args.reps, args.vs_genai))
     threads = args.threads_used["target"]  # as loaded: an int, or None for onnxruntime's default
@@ -121,16 +118,15 @@ def make_plan(args, target, drafters):
         return Plan("plain", adaptive=False)
     rollback = args.rollback or ("both" if args.sweep else "auto")
     modes = ("auto", "checkpoint") if rollback == "both" else (rollback,)
-    models = _roles(target, drafters)
     if isinstance(args.draft_max, int):
-        k = fit_draft_max(args.draft_max, models, "auto" if rollback == "both" else rollback)
+        k = fit_draft_max(args.draft_max, target, drafters, "auto" if rollback == "both" else rollback)
         return Plan("fixed", (k,), modes, adaptive=False)
     if args.draft_max == "fixed":
         log.warning("--draft-max fixed is deprecated: use --draft-max N for one draft length, or --k with --sweep")
     ks = parse_ks(args.k) if args.k is not None else None
     if args.sweep or args.draft_max == "fixed":
-        limit = draft_limit(models)
-        ks = ks or tuple(k for k in SWEEP_KS if limit is None or k <= limit[0])
+        limit = draft_limit(target, drafters)
+        ks = ks or tuple(k for k in SWEEP_KS if limit is None or k <= limit)
         return Plan("sweep" if args.sweep else "list", ks, modes, adaptive=args.draft_max == "auto")
     if ks:
         return Plan("list", ks, modes)
@@ -150,14 +146,6 @@ def parse_ks(text: str) -> tuple[int, ...]:
 def _models(drafters) -> list:
     from snapspec.runtime import Model
     return [d for d in drafters if isinstance(d, Model)]
-
-
-def _roles(target, drafters) -> dict:
-    """{"target": Model, "drafter" or "drafter NAME": Model}: the models whose rollback limits a draft."""
-    models = _models(drafters)
-    roles = {"target": target}
-    roles.update({"drafter" if len(models) == 1 else f"drafter {d.folder.name}": d for d in models})
-    return roles
 
 
 class _Bar:

@@ -81,11 +81,11 @@ def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: boo
                prompts=PROMPTS) -> tuple[dict, dict]:
     """What the page runs (spec) and what its results are compared with (reference), from the Python runtime.
     drafter: the loaded drafter model, "mtp" (the page drafts with the target's MTP head), or None."""
-    from snapspec.runtime import Generator, open_context
+    from snapspec.runtime import Generator, Policy
     from snapspec.runtime.sampling import SamplingParams, probs
 
     ids = [target.encode(p) for p in prompts]
-    logits = {role: [open_context(m, len(x) + 1, side=role).forward(x).logits for x in ids]
+    logits = {role: [Policy(m).open(m, len(x) + 1, role).forward(x).logits for x in ids]
               for role, m in (("target", target), ("drafter", drafter)) if m is not None and m != MTP}
     plain = [Generator(target, x, max_new_tokens=new_tokens, stop_at_eos=False).run() for x in ids]
     # Every k on every prompt; with spread (SwiftShader, where a forward costs ~0.1 s), each k on one prompt.

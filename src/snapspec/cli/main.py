@@ -157,18 +157,15 @@ def read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from snapspec.runtime import Generator, final_text, stream_text
-    from snapspec.runtime.prompt import FrontDoor
+    from snapspec.runtime.generation import prompt_of
 
     text = read_prompt(args)
     target, drafter = load_models(args, args.target, args.drafter)
-    door = FrontDoor(target, plain=args.no_chat_template)
     if args.chat or args.system is not None:
-        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-        prompt = door.chat(messages + [{"role": "user", "content": text}])
-    else:
-        prompt = door.text(text)
-    gen = Generator(target, prompt.ids, drafter=drafter, context=args.context, **generation_kwargs(args, target, drafter))
-    prompt.add_stops(gen)
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        text = system + [{"role": "user", "content": text}]
+    prompt = prompt_of(target, text, raw=args.no_chat_template)
+    gen = Generator(target, prompt, drafter=drafter, context=args.context, **generation_kwargs(args, target, drafter))
     quiet = json_to_stdout(args)
     with interruptible() as stop:
         for piece in stream_text(gen):

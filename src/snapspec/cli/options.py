@@ -14,7 +14,7 @@ from pathlib import Path
 
 from snapspec import SnapspecError
 
-ROLLBACK = ("auto", "replay", "window", "checkpoint")  # runtime/rollback.py's, without importing the runtime here
+ROLLBACK = ("auto", "replay", "window", "checkpoint")  # runtime/policy.py's, without importing the runtime here
 log = logging.getLogger("snapspec")
 
 # The one default for new tokens in generate, chat and serve (docs/chat-and-serve.md): a reply of a few paragraphs,
@@ -61,28 +61,28 @@ def draft_max(value: str):
             from None
 
 
-def draft_limit(models: dict) -> tuple[int, str] | None:
-    """(the longest draft bounded rollback can undo, which model sets it) over loaded Models by role, counting those
-    with recurrent state: the export's rollback window W (the state-window graph keeps W states, so it undoes
-    W - 1; rollback.undo_depth). None when no model limits it (attention-only models roll back any length)."""
-    from snapspec.runtime.rollback import undo_depth
-    limits = [(undo_depth(m), f"the {role} ({m.folder.name})") for role, m in models.items()]
-    limits = [(d, who) for d, who in limits if d is not None]
+def draft_limit(target, drafters) -> int | None:
+    """The longest draft bounded rollback undoes for this target and every drafter given (the rollback policy's,
+    runtime/policy.py); None when nothing limits it (attention-only models roll back any length)."""
+    from snapspec.runtime import Model, Policy
+    models = [d for d in drafters if isinstance(d, Model)] or [None]
+    limits = [Policy(target, m).longest() for m in models]
+    limits = [x for x in limits if x is not None]
     return min(limits) if limits else None
 
 
-def fit_draft_max(value, models: dict, rollback: str = "auto"):
+def fit_draft_max(value, target, drafters, rollback: str = "auto"):
     """--draft-max as typed, or capped (with a warning naming the typed value and why) at the longest draft that
     bounded rollback can undo: longer rounds would each take the checkpoint path. --rollback checkpoint takes that
-    path on every round anyway, so nothing is capped there. models: {"target": Model, "drafter": Model}."""
-    limit = draft_limit(models)
-    if value == "auto" or rollback == "checkpoint" or limit is None or int(value) <= limit[0]:
+    path on every round anyway, so nothing is capped there."""
+    limit = draft_limit(target, drafters)
+    if value == "auto" or rollback == "checkpoint" or limit is None or int(value) <= limit:
         return value
     logging.getLogger("snapspec").warning(
-        f"--draft-max {value}: {limit[1]} rolls back at most {limit[0]} tokens without a checkpoint (its export's "
-        f"--rollback-window), so each round drafts at most {limit[0]} (re-export with --rollback-window {value}, or "
-        f"add --rollback checkpoint to draft {value} on the slow path)")
-    return limit[0]
+        f"--draft-max {value}: bounded rollback undoes at most {limit} tokens here without a checkpoint (the "
+        f"target's export, {target.folder.name}: --rollback-window), so each round drafts at most {limit} "
+        f"(re-export with --rollback-window {value}, or add --rollback checkpoint to draft {value} on the slow path)")
+    return limit
 
 
 def add_alias(p: argparse.ArgumentParser, old: str, dest: str, **kwargs) -> None:
@@ -101,8 +101,7 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
                        help="how state rolls back: auto (bounded: replay for the target, or the state-window graph "
                             "on CUDA when the export has it; ring slots for a drafter), replay or window (force the "
                             "target's), checkpoint (copy and restore the state every round: the slow baseline)")
-    p.add_argument("--recurrent-rollback", choices=["auto", "replay", "window"], default=None,
-                   help=argparse.SUPPRESS)  # the old spelling of --rollback auto|replay|window
+    p.add_argument("--recurrent-rollback", action=_Renamed, nargs="?", help=argparse.SUPPRESS)
     p.add_argument("--cuda-graph", type=positive_int, default=0, metavar="N",
                    help="CUDA: replay forwards of up to N tokens from CUDA graphs captured on first use (1: decode "
                         "steps; 2: a drafter's steps too; 9: verify forwards of k <= 8 too; default 0: off)")
@@ -134,25 +133,20 @@ def add_generation_flags(p: argparse.ArgumentParser,
 def generation_kwargs(args, target=None, drafter=None) -> dict:
     """Generator arguments from add_generation_flags' flags; given the loaded target and drafter, --draft-max
     fitted to what they can roll back (fit_draft_max)."""
-    from snapspec.runtime import Model, SamplingParams
+    from snapspec.runtime import SamplingParams
     draft = args.draft_max
     if drafter is not None:
-        models = {role: m for role, m in (("target", target), ("drafter", drafter)) if isinstance(m, Model)}
-        draft = fit_draft_max(draft, models, rollback(args))
-    return {"max_new_tokens": args.max_new_tokens, "draft_max": draft, "rollback": rollback(args),
+        draft = fit_draft_max(draft, target, [drafter], args.rollback)
+    return {"max_new_tokens": args.max_new_tokens, "draft_max": draft, "rollback": args.rollback,
             "sampling": SamplingParams(args.temperature, args.top_k, args.top_p, args.seed),
             "stop_strings": args.stop, "stop_at_eos": not args.ignore_eos, "prefill_chunk": args.prefill_chunk}
 
 
-def rollback(args) -> str:
-    """--rollback, with the old --recurrent-rollback spelling mapped onto it (and a note that it is deprecated)."""
-    old = getattr(args, "recurrent_rollback", None)
-    if old is not None:
-        log.warning("--recurrent-rollback is deprecated: use --rollback %s", old)
-        if getattr(args, "rollback", "auto") not in ("auto", old):
-            raise SnapspecError(f"--recurrent-rollback {old} contradicts --rollback {args.rollback}")
-        args.rollback, args.recurrent_rollback = old, None
-    return getattr(args, "rollback", "auto")
+class _Renamed(argparse.Action):
+    """A flag that was renamed: a one-line error naming the new one (the old spelling no longer runs)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} was renamed: use --rollback {values or 'auto|replay|window'}")
 
 
 def add_json_flag(p: argparse.ArgumentParser, what: str = "the result") -> None:
@@ -265,8 +259,7 @@ def load_drafters(args, target_dir, drafter_dirs):
     chosen per model (default_threads) and recorded in args.threads_used: an int per model, or None where
     onnxruntime picks (the --json `threads` field; JSON readers get one type, never a word in place of a number)."""
     from snapspec.runtime import load
-    from snapspec.runtime.drafters import MtpDrafter
-    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, NgramDrafter, check_range
+    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, check_range
 
     n_min, n_max = getattr(args, "ngram_min", None), getattr(args, "ngram_max", None)
     if (n_min is not None or n_max is not None) and NGRAM not in drafter_dirs:
@@ -278,34 +271,27 @@ def load_drafters(args, target_dir, drafter_dirs):
             n_max = max(DEFAULT_MAX, n_min)
         check_range(n_min, n_max)  # before loading anything
     t_threads = args.threads if args.threads is not None else default_threads(target_dir)
+    rollback = getattr(args, "rollback", None) or "auto"
     target = load(target_dir, args.ep, allow_fallback=args.allow_fallback, threads=t_threads,
-                  rollback=_load_rollback(args), cuda_graph=getattr(args, "cuda_graph", 0))
+                  rollback=rollback if rollback in ("replay", "window") else "auto",  # the rest: per generation
+                  cuda_graph=getattr(args, "cuda_graph", 0))
     args.threads_used = {"target": t_threads or None}  # 0 or None: onnxruntime chooses
-    # The head runs between the target's forwards, like a drafter model: --drafter-threads sizes its pool when given
-    # (benchmarks/mtp_head_threads.py measures both; docs/mtp.md#draft-vocabulary).
-    h_threads = getattr(args, "drafter_threads", None)
-    return target, [NgramDrafter(target.vocab_size, n_min, n_max) if d == NGRAM
-                    else MtpDrafter(target, threads=h_threads) if d == MTP else _load_drafter(args, d)
-                    for d in drafter_dirs]
+    return target, [_drafter(args, target, d, (n_min, n_max)) for d in drafter_dirs]
 
 
-def _load_rollback(args) -> str:
-    """What load() acts on: a forced replay or window graph; checkpoint and bench's "both" are per-round choices."""
-    value = rollback(args)
-    return value if value in ("replay", "window") else "auto"
+def _drafter(args, target, spec, ngram):
+    """One --drafter through the runtime's one resolution (pair.make_drafter), with this command's threads: the
+    MTP head runs between the target's forwards like a drafter model, so --drafter-threads sizes its pool when given
+    (benchmarks/mtp_head_threads.py measures both; docs/mtp.md#draft-vocabulary)."""
+    from snapspec.runtime import make_drafter
 
-
-def _load_drafter(args, drafter_dir):
-    from snapspec.runtime import load
-
-    d_threads = next((t for t in (args.drafter_threads, args.threads) if t is not None), None)
-    d_threads = d_threads if d_threads is not None else default_threads(drafter_dir)
-    try:
-        drafter = load(drafter_dir, args.ep, allow_fallback=args.allow_fallback, threads=d_threads, spin=False,
-                       role="drafter", cuda_graph=getattr(args, "cuda_graph", 0))
-    except SnapspecError as exc:
-        raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
-    args.threads_used["drafter"] = d_threads or None
+    given = getattr(args, "drafter_threads", None)
+    if spec in KEYWORDS:
+        return make_drafter(target, spec, ngram=ngram if spec == NGRAM else None, threads=given)
+    threads = next((t for t in (given, args.threads) if t is not None), None)
+    threads = threads if threads is not None else default_threads(spec)
+    drafter = make_drafter(target, spec, threads=threads, allow_fallback=args.allow_fallback)
+    args.threads_used["drafter"] = threads or None
     return drafter
 
 

@@ -75,17 +75,17 @@ class Worker(lifecycle.Admission):
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
                  max_tokens_cap: int | None = None, max_queue: int | None = None):
-        from snapspec.runtime.chat import PromptCache, session_drafter
+        from snapspec.runtime.chat import PromptCache
         from snapspec.runtime.prompt import FrontDoor
 
-        drafter = session_drafter(target, drafter)  # an n-gram drafter serves every request, in queue order
+        self.cache = PromptCache(target, drafter, context, rollback=defaults.get("rollback") or "auto")
+        drafter = self.cache.drafter  # one draft source serves every request, in queue order
         self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
         self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
         self.closing = False  # draining: submit refuses (lifecycle.Drain)
         self.jobs: set[Job] = set()  # admitted and not yet finished
         self.metrics = None  # serve.metrics.Metrics, set by build_app
         self.door = FrontDoor(target, plain=raw)  # a base model: completions only, chat requests get a 400
-        self.cache = PromptCache(target, drafter, context)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapspec-{model_id}")
         self.tool_format = openai_tools.prepare(self)  # the template's tool-call format; the grammar tokenizer
         self.counts = {"waiting": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
@@ -152,9 +152,8 @@ class Worker(lifecycle.Admission):
                 self._count("cancelled")
                 raise lifecycle.shutting_down() if job.shutdown else api.ApiError(499, "the client closed the "
                                                                                       "request")
-            gen = self.cache.generator(self.target, job.ids, job.prompt.base, drafter=self.drafter,
-                                       constraint=job.constraint, **self.generator_kwargs(job.settings, job.max_tokens))
-            job.prompt.add_stops(gen)
+            gen = self.cache.generator(job.prompt, constraint=job.constraint,
+                                       **self.generator_kwargs(job.settings, job.max_tokens))
             job.gen = gen
             job.stream = openai_tools.ToolStream(job)
             for piece in stream_text(gen):

@@ -15,12 +15,12 @@ from .context import PREFILL_CHUNK, Context, RollbackError, Rows
 from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter
 from .generation import Generator, final_text, generate, stream_text
 from .model import Model, load
-from .pair import Pair, open_context
+from .pair import Pair, make_drafter
+from .policy import ROLLBACK, Policy, store_for
 from .providers import PROVIDERS
-from .rollback import ROLLBACK, stores_for
 from .sampling import SamplingParams
 from .stats import Stats
 
 __all__ = ["ChatSession", "PromptCache", "chat", "Context", "Draft", "Drafter", "Generator", "Model", "ModelDrafter",
-           "NgramDrafter", "PREFILL_CHUNK", "PROVIDERS", "Pair", "ROLLBACK", "RollbackError", "Rows", "SamplingParams",
-           "Stats", "final_text", "generate", "load", "open_context", "stores_for", "stream_text"]
+           "NgramDrafter", "PREFILL_CHUNK", "PROVIDERS", "Pair", "Policy", "ROLLBACK", "RollbackError", "Rows",
+           "SamplingParams", "Stats", "final_text", "generate", "load", "make_drafter", "store_for", "stream_text"]

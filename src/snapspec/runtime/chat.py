@@ -15,8 +15,9 @@ context keeps a mark: a copy of its recurrent state where the conversation ended
 that keeps more than rollback can, and re-prefills the last reply and what follows. Each turn's stats say how
 many prompt tokens were prefilled and how many reused.
 
-A drafter is a Model (the cache keeps its context beside the target's) or a drafter without a model: "ngram" (or an
-NgramDrafter with other sizes). The n-gram drafter lives as long as the session, and each generation's sequence is
+The cache holds one Pair (pair.py): the target's context, the drafter (a drafter model's context beside the
+target's), one rollback policy. Its drafter is anything pair.make_drafter takes: a Model, "ngram" (or an
+NgramDrafter with other sizes), "mtp". The n-gram drafter lives as long as the session, and each generation's sequence is
 the whole rendered conversation plus the reply so far, so its lookups search every earlier turn; its index keeps
 what the next turn has in common with the last one and indexes only the rest. "mtp" (the target's own head) lives
 as long as the session too: its KV and the target's hidden rows it has not consumed carry over to the next turn.
@@ -27,14 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from snapspec import SnapspecError
+import numpy as np
 
 from .context import Context
-from .drafters import Drafter, MtpDrafter, NgramDrafter
+from .drafters import Drafter
 from .generation import Generator, final_text, generate, stream_text
 from .model import Model
-from .pair import open_context
-from .prompt import FrontDoor, common_prefix
+from .pair import Pair, check_context
+from .prompt import FrontDoor, Prompt, common_prefix
 from .state.saved import SavedState
 from .stats import Stats
 
@@ -44,21 +45,6 @@ def chat(target: Model, messages, *, drafter: Model | Drafter | str | None = Non
     """One reply to `messages` (a list of {role, content}), generated to the end: the Generator, as generate().
     drafter: a Model, "ngram" or a Drafter, as for Generator."""
     return generate(target, messages, drafter=drafter, raw=raw, template_kwargs=template_kwargs, **kwargs)
-
-
-def session_drafter(target: Model, drafter) -> Model | Drafter | None:
-    """The drafter of a PromptCache or ChatSession: a Model (its context is cached), None, or a Drafter without a
-    model ("ngram" makes an NgramDrafter of the default sizes), which follows each generation's whole sequence."""
-    if drafter is None or isinstance(drafter, Model):
-        return drafter
-    if drafter == "ngram":
-        return NgramDrafter(target.vocab_size)
-    if drafter == "mtp":  # one head for the session: its KV and the target's hidden rows carry across turns
-        return MtpDrafter(target)
-    if isinstance(drafter, Drafter) and drafter.ctx is None:
-        return drafter
-    raise SnapspecError(f"a chat's drafter must be a loaded Model, \"ngram\", \"mtp\" or a Drafter without a model "
-                        f"context (the session keeps a drafter model's context itself), got {drafter!r}")
 
 
 @dataclass
@@ -118,42 +104,46 @@ class _Mark:
 
 
 class PromptCache:
-    """A target context (and a drafter context) that live across generations, each with a mark (module doc)."""
+    """A Pair whose contexts live across generations, each context with a mark (module doc)."""
 
-    def __init__(self, target: Model, drafter: Model | Drafter | str | None = None, context: int | None = None,
-                 window: int | None = None):
-        """drafter: a Model gets a context here; a drafter without a model ("ngram", an NgramDrafter) needs none,
-        and is handed to each generator() by its caller."""
-        window = int(window or target.manifest.rollback["window"])
-        drafter = session_drafter(target, drafter)
-        model = drafter if isinstance(drafter, Model) else None
-        limit = min(m.manifest.max_context for m in (target, model) if m is not None)
-        ctx_len = min(int(context or limit), limit)
-        self.tctx = open_context(target, ctx_len, side="target", window=window)
-        self.dctx = None if model is None else open_context(model, ctx_len, side="drafter", window=window)
-        self.marks = [_Mark(c) for c in (self.tctx, self.dctx) if c is not None]
+    def __init__(self, target: Model, drafter=None, context: int | None = None, window: int | None = None,
+                 rollback: str = "auto"):
+        """drafter: anything pair.make_drafter takes; context: tokens the conversations may reach (default: the
+        exports' max_context; more is an error)."""
+        self.pair = Pair(target, drafter, length=check_context(target, drafter, context), window=window,
+                         rollback=rollback)
+        self.marks = [_Mark(c) for c in self.pair.contexts]
         self.costs = None  # the adaptive draft length's cost model, measured once and handed to each Generator
 
     @property
+    def tctx(self) -> Context:
+        return self.pair.tctx
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.pair.drafter
+
+    @property
     def max_len(self) -> int:
-        return self.tctx.max_len
+        return self.pair.max_len
 
     def reset(self) -> None:
         for mark in self.marks:
             mark.ctx.reset()
             mark.tokens = None
 
-    def generator(self, target: Model, ids, base: int, *, drafter: Model | Drafter | None = None,
-                  **kwargs) -> Generator:
-        """A Generator over these contexts. Its first step brings each context to the longest prefix of ids it can
-        keep (rollback, else the mark), prefills it to `base` and marks the state there; the Generator prefills
-        the rest. Its stats count all of it."""
+    def generator(self, prompt: Prompt, **kwargs) -> Generator:
+        """A Generator over this cache's pair for a Prompt of the front door (its stops come with it). Its first step
+        brings each context to the longest prefix of the ids it can keep (rollback, else the mark), prefills it to
+        the prompt's base and marks the state there; the Generator prefills the rest. Its stats count all of it."""
         kwargs.setdefault("costs", self.costs)
-        return CachedGenerator(self, target, ids, base, drafter=drafter, **kwargs)
+        kwargs.pop("window", None)  # the pair's
+        return CachedGenerator(self, prompt, **kwargs)
 
-    def prepare(self, ids, base: int, chunk: int | None, stats: Stats) -> int:
-        """Returns the prompt tokens the target context kept."""
-        kept_by_target = 0
+    def prepare(self, ids, base: int, chunk: int | None, stats: Stats) -> tuple[int, np.ndarray | None]:
+        """Returns (the prompt tokens the target context kept, the target's hidden rows of what it prefilled here,
+        when it returns them)."""
+        kept_by_target, hidden = 0, None
         for mark in self.marks:
             ctx = mark.ctx
             common = common_prefix(ctx.tokens, ids[:-1])
@@ -163,32 +153,36 @@ class PromptCache:
                 mark.restore()
             kept = ctx.resume(ids)
             if kept < base:
-                calls = ctx.prefill(ids[kept:base], chunk, logits=False).forwards
+                rows = ctx.prefill(ids[kept:base], chunk, logits=False)
                 if ctx is self.tctx:
-                    stats.target_forwards += calls
+                    stats.target_forwards += rows.forwards
+                    hidden = rows.hidden
                 else:
-                    stats.drafter_forwards += calls
+                    stats.drafter_forwards += rows.forwards
             if ctx.n_past == base:
                 mark.save()
             if ctx is self.tctx:
                 kept_by_target = kept
-        return kept_by_target
+        return kept_by_target, hidden
 
 
 class CachedGenerator(Generator):
-    """A Generator over a PromptCache's contexts that runs PromptCache.prepare first (inside its prefill time)."""
+    """A Generator over a PromptCache's pair that runs PromptCache.prepare first (inside its prefill time)."""
 
-    def __init__(self, cache: PromptCache, target: Model, ids, base: int, **kwargs):
-        super().__init__(target, ids, target_ctx=cache.tctx, drafter_ctx=cache.dctx, context=cache.max_len, **kwargs)
-        self.cache, self.base = cache, base
+    def __init__(self, cache: PromptCache, prompt: Prompt, **kwargs):
+        super().__init__(cache.pair.target, prompt, pair=cache.pair, **kwargs)
+        self.cache, self.base = cache, prompt.base
+
+    def _prefill(self):
+        kept, hidden = self.cache.prepare(self.prompt, self.base, self.prefill_chunk, self.stats)
+        rows = super()._prefill()
+        if hidden is not None and rows.hidden is not None:  # the head sees every prompt row, marked prefix included
+            rows.hidden = np.concatenate([hidden, rows.hidden])
+        self.stats.prompt_reused, self.stats.prompt_prefilled = kept, len(self.prompt) - kept
+        return rows
 
     def __iter__(self):
-        with self.stats.span("prefill"):
-            kept = self.cache.prepare(self.prompt, self.base, self.prefill_chunk, self.stats)
-        for out in super().__iter__():
-            self.stats.prompt_reused, self.stats.prompt_prefilled = kept, len(self.prompt) - kept
-            yield out
-        self.stats.prompt_reused, self.stats.prompt_prefilled = kept, len(self.prompt) - kept
+        yield from super().__iter__()
         if self.costs is not None:
             self.cache.costs = self.costs
 
@@ -198,15 +192,17 @@ class ChatSession:
 
     def __init__(self, target: Model, drafter: Model | Drafter | str | None = None, *, system: str | None = None,
                  raw: bool = False, context: int | None = None, template_kwargs: dict | None = None, **generation):
-        """drafter: a Model, "ngram" or an NgramDrafter (other sizes); context: tokens the conversation may reach
-        (default: the exports' max_context); generation: Generator arguments for every turn (max_new_tokens,
-        sampling, draft_max, stop_strings, stop_at_eos, ...)."""
-        self.target, self.drafter, self.raw = target, session_drafter(target, drafter), raw
+        """drafter: anything pair.make_drafter takes (a Model, "ngram", "mtp", an NgramDrafter of other sizes);
+        context: tokens the conversation may reach (default: the exports' max_context); generation: Generator
+        arguments for every turn (max_new_tokens, sampling, draft_max, stop_strings, stop_at_eos, rollback, ...)."""
+        self.target, self.raw = target, raw
         self.door = FrontDoor(target, plain=raw)
         self.door.require_chat()  # a base model: the one-line error naming the alternatives
         self.template_kwargs = dict(template_kwargs or {})
         self.generation = generation
-        self.cache = PromptCache(target, self.drafter, context, generation.get("window"))
+        self.cache = PromptCache(target, drafter, context, generation.get("window"),
+                                 generation.get("rollback") or "auto")
+        self.drafter = self.cache.drafter
         self.system = system
         self.messages: list[dict] = []
         self.totals = SessionStats()
@@ -235,12 +231,10 @@ class ChatSession:
         self.messages.append({"role": "user", "content": text})
         try:
             prompt = self.door.chat(self.messages, **self.template_kwargs)
-            gen = self.cache.generator(self.target, prompt.ids, prompt.base, drafter=self.drafter,
-                                       **{**self.generation, **overrides})
+            gen = self.cache.generator(prompt, **{**self.generation, **overrides})
         except BaseException:  # a prompt that does not fit, a template error, an interrupt
             self.messages.pop()
             raise
-        prompt.add_stops(gen)
         self.last = gen
         return self._run(gen)
 

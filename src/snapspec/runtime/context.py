@@ -24,8 +24,6 @@ import numpy as np
 from snapspec import SnapspecError
 
 from .device.copy import Copier
-from .model import Model
-from .rollback import stores_for
 from .runners import BoundRunner, CapturedRunner, GraphIO
 from .state.build import build_stores
 from .state.saved import SavedState
@@ -49,11 +47,11 @@ class Rows:
 
 
 class Context:
-    def __init__(self, model: Model, max_len: int | None = None, *, mode: str | None = None,
-                 window: int | None = None, poison: bool = False, graph_tokens: int | None = None,
-                 spare_row: bool = True):
-        """mode: replay | ring | window for the recurrent state (default: rollback.stores_for; ignored by
-        pure-attention models); window: W, the deepest bounded rollback. poison: buffers start NaN, so reading
+    def __init__(self, model: Model, max_len: int, *, mode: str, window: int, poison: bool = False,
+                 graph_tokens: int | None = None, spare_row: bool = True):
+        """Opened by the rollback policy (policy.Policy.open), which decides every argument but the last three.
+        mode: replay | ring | window for the recurrent state (ignored by pure-attention models); window: W, the
+        deepest bounded rollback. poison: buffers start NaN, so reading
         state that was never written shows (tests). graph_tokens: forwards of up to this many tokens take the
         fixed-address path (default: the model's cuda_graph; on CPU the path runs without capture, for tests).
         spare_row: allocate the KV row past the context that a graph with a spare attention row writes into
@@ -61,14 +59,12 @@ class Context:
         spare row."""
         self.model = model
         m = model.manifest
-        mode = mode or stores_for(model)
-        self.max_len = int(max_len or m.max_context)
+        self.max_len = int(max_len)
         if self.max_len > m.max_context:
             raise SnapspecError(f"context {self.max_len} exceeds the export's max_context {m.max_context}")
         self.device = model.device
         self.stream = stream_for(self.device)  # where fixed-address forwards and their copies queue
         self.copy = Copier(self.device)
-        window = int(window or m.rollback["window"])
         self.kv, self.recurrent, self.window = build_stores(model, self.max_len, mode, window, self.copy, poison,
                                                             spare_row)
         self.stores = [s for s in (self.kv, self.recurrent) if s is not None]

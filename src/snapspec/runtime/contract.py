@@ -11,8 +11,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
-from .pair import open_context
-from .rollback import stores_for
+from .policy import Policy, store_for
 from .drafters import Drafter
 from .generation import Generator
 from .model import Model
@@ -48,10 +47,15 @@ def _tokens(model: Model, n: int, seed: int = 0) -> list[int]:
     return (ids + extra)[:n]
 
 
+def _open(model: Model, length: int, store: str | None = None, window: int | None = None):
+    """A context over `model` on the side it was loaded for (store: force one), its buffers NaN until written."""
+    return Policy(model, window=window).open(model, length, model.role, store=store, poison=True)
+
+
 def check_multi_vs_single(model: Model, n_prompt: int = 12, t: int = 8) -> Check:
     """A t-token forward equals t one-token forwards: every logits row and the whole state after."""
     toks = _tokens(model, n_prompt + t)
-    a, b = open_context(model, 256, poison=True), open_context(model, 256, poison=True)
+    a, b = _open(model, 256), _open(model, 256)
     a.forward(toks[:n_prompt])
     b.forward(toks[:n_prompt])
     rows = a.forward(toks[n_prompt:])
@@ -82,7 +86,7 @@ def check_rollback(model: Model, mode: str, window: int | None = None, n_prompt:
     worst, tol, where = 0.0, tolerance(model), ""
     modes = set()
     for j in range(w + 1):
-        ctx = open_context(model, 128, mode=mode, window=w, poison=True)
+        ctx = _open(model, 128, store=mode, window=w)
         ctx.forward(toks[:n_prompt])
         if mode in ("replay", "window"):
             ctx.forward(toks[n_prompt:n_prompt + w + (mode == "replay")])
@@ -90,7 +94,7 @@ def check_rollback(model: Model, mode: str, window: int | None = None, n_prompt:
             for x in toks[n_prompt:n_prompt + w]:
                 ctx.forward([x])
         modes.add(ctx.rollback(n_prompt + j))
-        ref = open_context(model, 128, poison=True)
+        ref = _open(model, 128)
         ref.forward(toks[: n_prompt + j])
         sa, sb = ctx.state_snapshot(), ref.state_snapshot()
         errs = {k: rel_err(sa[k], sb[k]) for k in sa}
@@ -107,7 +111,7 @@ def check_chunked_prefill(model: Model, n_prompt: int = 23, chunk: int = 5) -> C
     """A prompt prefilled in chunks (the last one partial) leaves the last row's logits and every state equal to a
     one-shot prefill: KV rows, conv and recurrent state. Buffers start NaN."""
     toks = _tokens(model, n_prompt, seed=2)
-    a, b = open_context(model, 64, poison=True), open_context(model, 64, poison=True)
+    a, b = _open(model, 64), _open(model, 64)
     one = a.forward(toks).logits[-1:]
     chunked = b.prefill(toks, chunk)
     errs = {"logits": rel_err(chunked.logits, one)}
@@ -170,11 +174,11 @@ def run_checks(target: Model, drafter: Model | Drafter | None, window: int | Non
     w = window or target.manifest.rollback["window"]
     plan = [("target", lambda: check_multi_vs_single(target)),
             ("target", lambda: check_chunked_prefill(target)),
-            ("target", lambda: check_rollback(target, stores_for(target), w))]
+            ("target", lambda: check_rollback(target, store_for(target, "target"), w))]
     if isinstance(drafter, Model):
         plan += [("drafter", lambda: check_multi_vs_single(drafter)),
                  ("drafter", lambda: check_chunked_prefill(drafter)),
-                 ("drafter", lambda: check_rollback(drafter, stores_for(drafter, "drafter"), w))]
+                 ("drafter", lambda: check_rollback(drafter, store_for(drafter, "drafter"), w))]
     if drafter is not None:  # a Model, or a Drafter without a model (n-gram lookup: only the pair check applies)
         plan.append(("pair", lambda: check_spec_equals_plain(target, drafter, range(1, w + 1), new_tokens)))
     plan.append(("target", lambda: check_self_acceptance(target)))

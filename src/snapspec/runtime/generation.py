@@ -3,7 +3,8 @@
 A Generator runs once. Given contexts that already hold tokens (a previous turn), it keeps the longest common prefix
 of those tokens and its prompt that the contexts can return to and prefills only the rest. Contexts are sized to
 what the generation needs (prompt + max new tokens + the rollback window) unless told otherwise; the Pair (pair.py)
-builds them and holds the rollback policy. The speculative round itself is speculative.py; what drafts is a Drafter
+builds them and holds the rollback policy (policy.py). A Prompt from the chat front door (prompt.py) brings its
+end-of-turn stops with it. The speculative round itself is speculative.py; what drafts is a Drafter
 (drafters/). Stop strings are checked on text decoded
 incrementally (each token once), not by decoding the whole sequence every round.
 """
@@ -21,8 +22,8 @@ from .adaptive import Costs, DraftLengthChooser
 from .context import PREFILL_CHUNK, Context, Rows
 from .drafters import Drafter
 from .model import Model
-from .pair import Pair
-from .prompt import FrontDoor, is_messages
+from .pair import Pair, check_context
+from .prompt import FrontDoor, Prompt, is_messages
 from .sampling import SamplingParams, check_finite, pick
 from .speculative import speculative_round
 from .stats import Stats
@@ -31,10 +32,12 @@ from .stats import Stats
 class Generator:
     """Iterate (once) to get the new token ids of each step or round; read tokens, text, stats, stop_reason after.
 
-    drafter: a Model (drafted by a ModelDrafter over its own context), "ngram" (prompt lookup: an NgramDrafter) or
-    any Drafter. context: the context length to
-    allocate (default: prompt + max_new_tokens + window, within the exports' max_context). target_ctx / drafter_ctx:
-    contexts to reuse; what they already hold is resumed. costs: the cost model for draft_max="auto" (default:
+    prompt_ids: token ids, or a Prompt of the chat front door (its end-of-turn tokens stop the generation too, unless
+    stop_at_eos is False). drafter: anything pair.make_drafter takes (a Model, drafted by a ModelDrafter over its
+    own context; "ngram"; "mtp"; an exported folder; any Drafter). context: the context length to allocate (default:
+    prompt + max_new_tokens + window, within the exports' max_context; a larger one is an error). target_ctx /
+    drafter_ctx: contexts to reuse; what they already hold is resumed. pair: a Pair to run on instead (its contexts,
+    drafter and policy: a PromptCache's, a bench's); rollback, when given, runs it under that value. costs: the cost model for draft_max="auto" (default:
     measured on the live contexts at the start; read it back from `costs` to reuse it in the next Generator).
     constraint: a constraint.Constraint every token follows (structured output, a forced tool call): the target's
     rows and the drafts are chosen under its mask; the generation also stops where its grammar ends.
@@ -42,12 +45,13 @@ class Generator:
 
     def __init__(self, target: Model, prompt_ids, *, drafter: Model | Drafter | str | None = None,
                  max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(), draft_max: int | str = 4,
-                 rollback: str = "auto", stop_strings=(), stop_at_eos: bool = True, context: int | None = None,
+                 rollback: str | None = None, stop_strings=(), stop_at_eos: bool = True, context: int | None = None,
                  window: int | None = None, target_ctx: Context | None = None, drafter_ctx: Context | None = None,
                  poison: bool = False, costs: Costs | None = None, prefill_chunk: int | None = None,
-                 constraint=None):
+                 constraint=None, pair: Pair | None = None):
         self.target = target
-        self.prompt = [int(t) for t in prompt_ids]
+        stops = prompt_ids.stop_ids if isinstance(prompt_ids, Prompt) else set()
+        self.prompt = [int(t) for t in (prompt_ids.ids if isinstance(prompt_ids, Prompt) else prompt_ids)]
         if not self.prompt:
             raise SnapspecError("empty prompt: give at least one token of text")
         if max_new_tokens < 1:
@@ -60,7 +64,7 @@ class Generator:
         self.sampling = sampling
         self.rng = np.random.default_rng(sampling.seed)
         self.stop_strings = tuple(s for s in stop_strings if s)
-        self.eos = set(target.eos_ids) if stop_at_eos else set()
+        self.eos = set(target.eos_ids) | stops if stop_at_eos else set()
         self.prefill_chunk = int(prefill_chunk or PREFILL_CHUNK)
         self.constraint = constraint
         self._logits = not sampling.greedy or constraint is not None  # a mask needs the logits rows
@@ -71,15 +75,25 @@ class Generator:
         self._started = False
         self._calibrated = False  # the cost model was measured (or there was no room to)
         self._text = _TextStream(target.tokenizer)
-        # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
-        # calibration times forwards of up to W + 1 tokens after the prompt).
-        w = int(window or target.manifest.rollback["window"])
-        self.pair = Pair(target, drafter, length=context or len(self.prompt) + max_new_tokens + w, window=w,
-                         rollback=rollback, poison=poison, target_ctx=target_ctx, drafter_ctx=drafter_ctx,
-                         prefill_chunk=self.prefill_chunk)
-        self.tctx, self.dctx, self.drafter = self.pair.tctx, self.pair.dctx, self.pair.drafter
-        self.window, self.rollback = self.pair.window, rollback
-        self.ctx_len = self.pair.max_len
+        if pair is None:
+            # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
+            # calibration times forwards of up to W + 1 tokens after the prompt).
+            if context is not None:
+                check_context(target, drafter, context)
+            w = int(window or target.manifest.rollback["window"])
+            pair = Pair(target, drafter, length=context or len(self.prompt) + max_new_tokens + w, window=w,
+                        rollback=rollback or "auto", poison=poison, target_ctx=target_ctx, drafter_ctx=drafter_ctx,
+                        prefill_chunk=self.prefill_chunk)
+        elif drafter is not None or target_ctx is not None or drafter_ctx is not None or window is not None:
+            raise SnapspecError("a Generator given a pair takes its drafter, contexts and window from it")
+        else:
+            pair = pair.under(rollback or pair.policy.rollback)
+        pair.claim()
+        self.pair = pair
+        self.tctx, self.dctx, self.drafter = pair.tctx, pair.dctx, pair.drafter
+        self.policy = pair.policy
+        self.window, self.rollback = pair.window, pair.policy.rollback
+        self.ctx_len = pair.max_len
         if len(self.prompt) >= self.ctx_len:
             raise SnapspecError(f"prompt of {len(self.prompt)} tokens does not fit the context of {self.ctx_len} "
                                 "(at least one new token must fit)")
@@ -87,8 +101,8 @@ class Generator:
         self.costs = costs
         self.chooser = None
         if draft_max == "auto":
-            self.chooser = (self.drafter.chooser(self.window, costs) if self.drafter is not None
-                            else DraftLengthChooser(self.window, costs))
+            make = self.drafter.extras.chooser if self.drafter is not None else DraftLengthChooser
+            self.chooser = make(self.policy.k_max, costs)
 
     @property
     def modes_used(self) -> set[str]:
@@ -135,15 +149,11 @@ class Generator:
         if self.constraint is not None:  # it ends where the grammar does, on the stops it allows there
             self.eos |= set(self.target.eos_ids)
             self.constraint.begin(self.prompt, self.eos)
-        if self.drafter is not None:
-            self.drafter.constraint = self.constraint
         with st.span("prefill"):
-            reused = self.tctx.resume(self.prompt)
-            rows = self.tctx.prefill(self.prompt[reused:], self.prefill_chunk, logits=self._logits)
-            st.target_forwards += rows.forwards
-            st.prompt_reused, st.prompt_prefilled = reused, len(self.prompt) - reused
+            rows = self._prefill()
             if self.drafter is not None:
-                self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st, prefill=rows)
+                self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st, prefill=rows,
+                                   constraint=self.constraint, length=self.ctx_len)
             first = self._pick(rows, "the target's prefill")  # the prefill phase ends with the first token
         out = self._emit([first])
         if out:
@@ -155,6 +165,15 @@ class Generator:
                 out = self._emit(new)
             if out:
                 yield out
+
+    def _prefill(self) -> Rows:
+        """The target's prefill of what its context does not hold yet; its last row (and every prefilled token's
+        hidden row, for a drafter that reads them)."""
+        reused = self.tctx.resume(self.prompt)
+        rows = self.tctx.prefill(self.prompt[reused:], self.prefill_chunk, logits=self._logits)
+        self.stats.target_forwards += rows.forwards
+        self.stats.prompt_reused, self.stats.prompt_prefilled = reused, len(self.prompt) - reused
+        return rows
 
     def run(self) -> list[int]:
         for _ in self:
@@ -176,11 +195,12 @@ class Generator:
         of the context, where the largest forward it times does not fit, the chooser keeps its default instead."""
         if self.chooser is None or self.chooser.costs is not None or self._calibrated or self.drafter is None:
             return
-        if not self.drafter.has_draft(self.seq):
+        ready = self.drafter.extras.ready
+        if ready is not None and not ready(self.seq):
             return
         self._calibrated = True
         with self.stats.timed("calibration"):
-            self.costs = self.chooser.costs = self.drafter.measure_costs(self.tctx, self.window + 1)
+            self.costs = self.chooser.costs = self.pair.costs(self.policy.k_max + 1)
 
     def _plain_step(self) -> list[int]:
         rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=self._logits)
@@ -195,10 +215,11 @@ class Generator:
         return max(0, min(k, room))
 
     def _round(self) -> list[int]:
-        k = self.drafter.available(self.seq, self._draft_length())
-        if k == 0:
+        out = speculative_round(self.pair, self.seq, self._draft_length(), self.sampling, self.rng, self.stats,
+                                self.constraint)
+        if out is None:  # nothing drafted (a lookup that found nothing, or the chooser's k = 0)
             return self._plain_step()
-        new, j = speculative_round(self.pair, self.seq, k, self.sampling, self.rng, self.stats, self.constraint)
+        new, j, k = out
         if self.chooser:
             self.chooser.update(k, j)
         return new
@@ -245,13 +266,21 @@ def generate(target: Model, prompt: str | list[int] | list[dict], *, raw: bool =
     token ids, or messages ({role, content}), which the chat front door renders (prompt.py; raw: their contents
     joined as plain text; template_kwargs reach the chat template) and whose end-of-turn tokens stop the reply."""
     if is_messages(prompt):
-        chat = FrontDoor(target, plain=raw).chat(prompt, **(template_kwargs or {}))
-        gen = Generator(target, chat.ids, **kwargs)
-        chat.add_stops(gen)
-    else:
-        gen = Generator(target, target.encode(prompt) if isinstance(prompt, str) else prompt, **kwargs)
+        prompt = prompt_of(target, prompt, raw=raw, template_kwargs=template_kwargs)
+    gen = Generator(target, target.encode(prompt) if isinstance(prompt, str) else prompt, **kwargs)
     gen.run()
     return gen
+
+
+def prompt_of(target: Model, prompt, *, raw: bool = False, chat: bool = False, template_kwargs=None) -> Prompt:
+    """A one-off generation's Prompt from the chat front door: messages rendered (raw: as plain text), text or token
+    ids continued (chat: text as one user message)."""
+    door = FrontDoor(target, plain=raw)
+    if chat and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if is_messages(prompt):
+        return door.chat(prompt, **(template_kwargs or {}))
+    return door.text(prompt)
 
 
 def stream_text(gen: Generator) -> Iterator[str]:

@@ -17,7 +17,7 @@ from snapspec import SnapspecError, manifest
 from . import exactness, genai_folder, hugepages
 from .cuda_graph import GraphSession
 from .providers import DEVICE, PROVIDERS, configure
-from .rollback import graph_for
+from .policy import graph_for
 
 
 log = logging.getLogger("snapspec")
@@ -38,7 +38,7 @@ class Model:
     notes: list[str] = field(default_factory=list)
     graph_tokens: int = 0  # forwards of up to this many tokens replay CUDA graphs (0: none; runtime/cuda_graph.py)
     graphs: GraphSession | None = None
-    role: str = "target"  # target or drafter, as loaded: rollback.stores_for reads it
+    role: str = "target"  # target or drafter, as loaded: the graph it runs (policy.graph_for)
     # load(share_head=True): the initializers shared with the folder's MTP head, as the OrtValues this session
     # holds; runtime/head.load_head hands the same ones to the head's session (kept alive here)
     shared_values: dict = field(default_factory=dict)
@@ -84,15 +84,15 @@ class Model:
 
 def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int | None = None,
          verify: bool = True, spin: bool | str = "auto", role: str = "target", rollback: str = "auto",
-         recurrent: str | None = None, cuda_graph: int = 0, share_head: bool = False) -> Model:
+         cuda_graph: int = 0, share_head: bool = False) -> Model:
     """Open an exported folder on `ep` for a role (target or drafter).
 
-    rollback: which forward graph carries the recurrent state (rollback.graph_for decides). auto: the state-window
+    rollback: which forward graph carries the recurrent state (policy.graph_for decides; checkpoint is a
+    per-generation choice and is refused here). auto: the state-window
     graph for a target on CUDA when the export has one (rollback picks a state; measured faster than replay there,
     docs/benchmarks/cuda-h200.md), else the forward graph with replay (target), or for a drafter, which rolls back
     by ring slots, the forward graph without the replay's rollback data when the export has it
     (src/snapspec/export/ring.py). replay / window force one.
-    recurrent: the old name of `rollback` (kept as an alias).
     share_head: for a folder with an MTP head, give this session the initializers the head shares (embedding,
     output projection, rotary tables) as OrtValues made once, which runtime/head.load_head then gives the head's
     session: one copy for both on CUDA; on CPU it costs memory (runtime/head.py, docs/benchmarks/mtp.md).
@@ -116,7 +116,7 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         raise SnapspecError("CUDA graphs need a snapspec export (an onnxruntime-genai folder's inputs differ)")
     if role not in ("target", "drafter"):
         raise SnapspecError(f"role must be target or drafter, got {role!r}")
-    graph = graph_for(m, used_ep, role, recurrent or rollback)
+    graph = graph_for(m, used_ep, role, rollback)
     shared = {}
     if share_head:
         from .head import shared_values

@@ -1,36 +1,34 @@
-"""A target and its draft source under one rollback policy: the only runtime code that builds Contexts.
+"""A target and its draft source for one sequence, under one rollback policy (policy.py): the only way the runtime
+assembles them. Generation, PromptCache (chat, serve) and bench each hold a Pair.
 
-`open_context` sizes a context and picks its state stores from the model (rollback.stores_for); `Pair` holds the
-target's context and the drafter (a ModelDrafter over a context of its own, an n-gram lookup, or any Drafter), and
-answers the one question the round asks: can a k-token draft be undone in place (`bounded`)? When it cannot (a draft
-longer than the window, a side without rollback, or `rollback="checkpoint"` forced), the Pair owns the fallback:
-`checkpoint(seq)` catches each context up on the tokens accepted since its last restore, then copies its state
-aside; `restore()` puts it back, and the next round re-decodes the accepted tokens. Warnings name the setting that
-would enable bounded rollback, once per cause.
+`make_drafter` turns whatever names a draft source (a loaded Model, an exported folder, "ngram", "mtp", a Drafter)
+into a Model or a Drafter, in one place. `Pair` opens the target's context (and a drafter model's, wrapped in a
+ModelDrafter) through its Policy, and answers the one question the round asks: can a k-token draft be undone in
+place (`bounded`)? When it cannot (a draft longer than the window, a side without rollback, or
+`rollback="checkpoint"` forced), the Pair owns the fallback: `checkpoint(seq)` catches each context up on the tokens
+accepted since its last restore, then copies its state aside; `restore()` puts it back, and the next round
+re-decodes the accepted tokens. Warnings name the setting that would enable bounded rollback, once per cause.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
+from pathlib import Path
 
 from snapspec import SnapspecError
 
 from . import genai_folder
 from .context import Context
 from .drafters import Drafter, ModelDrafter, MtpDrafter, NgramDrafter
-from .model import Model
-from .rollback import check, stores_for, undo_limit
+from .model import Model, load
+from .policy import Policy
 from .stats import Stats
 
 log = logging.getLogger("snapspec")
 
-
-def open_context(model: Model, length: int | None = None, *, side: str | None = None, window: int | None = None,
-                 mode: str | None = None, **options) -> Context:
-    """A Context over `model` with the stores its export and its side of the pair call for (side: target or
-    drafter, default the role it was loaded for; one Model can be both, as in the self-acceptance check); mode:
-    force a store, for checks."""
-    return Context(model, length, mode=mode or stores_for(model, side), window=window, **options)
+SPECS = "a loaded Model, an exported folder, a Drafter, \"ngram\" or \"mtp\""
 
 
 def check_pair(target: Model, drafter: Model) -> None:
@@ -39,63 +37,86 @@ def check_pair(target: Model, drafter: Model) -> None:
                             f"{target.vocab_size} tokens, or different tokenizers); speculation needs one vocabulary")
 
 
-def make_drafter(target: Model, drafter) -> Drafter | Model | None:
-    """A drafter as given to generate(): a loaded Model (checked against the target), "ngram", "mtp" (the target's
-    own head), or a Drafter."""
-    if isinstance(drafter, str):
-        if drafter == "mtp":
-            return MtpDrafter(target)  # the target's head; an error when its folder has none
-        if drafter != "ngram":
-            raise SnapspecError(f"drafter must be a loaded Model, a Drafter, \"ngram\" or \"mtp\", got {drafter!r}")
-        return NgramDrafter(target.vocab_size)  # prompt lookup, no drafter model
-    if isinstance(drafter, Model):
-        check_pair(target, drafter)
-    elif drafter is not None and not isinstance(drafter, Drafter):
-        raise SnapspecError(f"drafter must be a loaded Model, a Drafter, \"ngram\" or \"mtp\", got "
-                            f"{type(drafter).__name__}")
-    return drafter
+def make_drafter(target: Model, spec, *, ngram: tuple[int, int] | None = None, threads: int | None = None,
+                 **load_options) -> Model | Drafter | None:
+    """The draft source `spec` names, for this target: None; a Drafter, as is; a loaded Model (checked against the
+    target's vocabulary; a Pair runs it on a context of its own); an exported folder (a Path), loaded as a drafter
+    on the target's provider (load_options reach load(); a folder that fails to load is an error, never a silent
+    plain run); "ngram" (prompt lookup; ngram: its (shortest, longest) suffix); "mtp" (the target's own head;
+    threads: its session's)."""
+    if spec is None or isinstance(spec, Drafter):
+        return spec
+    if isinstance(spec, str) and spec == "ngram":
+        return NgramDrafter(target.vocab_size, *(ngram or ()))
+    if isinstance(spec, str) and spec == "mtp":
+        return MtpDrafter(target, threads=threads)  # an error when the target's folder has no head
+    if isinstance(spec, (str, os.PathLike)):  # any other word is a folder (./ngram is a folder named ngram)
+        options = {"ep": target.requested_ep, "spin": False, "cuda_graph": target.graph_tokens, **load_options}
+        try:
+            spec = load(Path(spec), role="drafter", threads=threads, **options)
+        except SnapspecError as exc:
+            raise SnapspecError(f"drafter failed to load (not continuing without it): {exc}") from None
+    if not isinstance(spec, Model):
+        raise SnapspecError(f"drafter must be {SPECS}, got {spec!r}")
+    check_pair(target, spec)
+    return spec
+
+
+def check_context(target: Model, drafter, context: int | None) -> int:
+    """The context length to allocate when the caller asks for `context`: as asked, or the exports' max_context when
+    None; more than the exports hold is an error that names the export flag that sets it."""
+    limit = min(m.manifest.max_context for m in (target, drafter) if isinstance(m, Model))
+    if context is not None and int(context) > limit:
+        raise SnapspecError(f"context {context} exceeds the export's limit of {limit} tokens (set when exporting: "
+                            "snapspec export --max-context)")
+    return int(context or limit)
 
 
 class Pair:
-    """The target's context and a drafter, sized for `length` tokens, with one rollback policy."""
+    """The target's context and a drafter, sized for `length` tokens, under one Policy."""
 
-    def __init__(self, target: Model, drafter: Model | Drafter | str | None = None, *, length: int,
-                 window: int | None = None, rollback: str = "auto", poison: bool = False,
-                 target_ctx: Context | None = None, drafter_ctx: Context | None = None,
-                 prefill_chunk: int | None = None):
-        """length: context length (capped by the exports' max_context); target_ctx / drafter_ctx: contexts to reuse
-        (what they hold is resumed); rollback: auto, or checkpoint to force the copy-restore baseline (replay and
-        window are chosen at load: see rollback.py)."""
+    def __init__(self, target: Model, drafter=None, *, length: int, window: int | None = None,
+                 rollback: str = "auto", poison: bool = False, target_ctx: Context | None = None,
+                 drafter_ctx: Context | None = None, prefill_chunk: int | None = None):
+        """drafter: anything make_drafter takes; length: context length (within the exports' max_context, which
+        the caller checks: generate() names the export flag); target_ctx / drafter_ctx: contexts to reuse (what they
+        hold is resumed); rollback: auto, or checkpoint to force the copy-restore baseline (replay and window are
+        chosen at load: see policy.py)."""
         self.target = target
-        self.rollback = check(rollback)
         drafter = make_drafter(target, drafter)
-        self.window = int(window or target.manifest.rollback["window"])
-        if isinstance(drafter, Model):
-            length = min(length, drafter.manifest.max_context)
-        length = min(length, target.manifest.max_context)
-        self.tctx = target_ctx or open_context(target, length, side="target", window=self.window, poison=poison)
-        self.drafter: Drafter | None
-        if isinstance(drafter, Model):
-            dctx = drafter_ctx or open_context(drafter, length, side="drafter", window=self.window, poison=poison)
+        model = drafter if isinstance(drafter, Model) else None
+        if drafter_ctx is not None and model is None:
+            raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
+        self.policy = Policy(target, model or _own_model(drafter), rollback=rollback, window=window)
+        length = min([length] + [m.manifest.max_context for m in (target, model) if m is not None])
+        self.tctx = target_ctx or self.policy.open(target, length, "target", poison=poison)
+        self.drafter: Drafter | None = drafter
+        if model is not None:
+            dctx = drafter_ctx or self.policy.open(model, length, "drafter", poison=poison)
             self.drafter = ModelDrafter(dctx, prefill_chunk)
-        else:
-            if drafter_ctx is not None:
-                raise SnapspecError("drafter_ctx goes with a drafter model; a Drafter brings its own state")
-            self.drafter = drafter
-        if self.drafter is not None:
-            self.drafter.size(self.tctx.max_len)
-        # The target's forwards return their hidden rows for a drafter that reads them (an MTP head).
-        self.tctx.hidden = self.drafter is not None and self.drafter.wants_hidden
-        if rollback in ("replay", "window") and self.tctx.recurrent and self.tctx.mode != rollback:
-            raise SnapspecError(f"rollback={rollback} is chosen when the target is loaded (load(..., rollback="
-                                f"{rollback!r}) or --rollback {rollback}); this target runs {self.tctx.mode}")
-        if self.drafter is not None and self.tctx.recurrent:
-            self.window = min(self.window, self.tctx.depth)  # the deepest verify the target can undo (window: W-1)
         self._warned: set[str] = set()
+        self.claim()
+
+    def claim(self) -> None:
+        """Make the target's context serve this pair's drafter: its forwards return their hidden rows for a drafter
+        that reads them (an MTP head). A generation claims its pair (pairs may share one target context: bench)."""
+        self.tctx.hidden = self.drafter is not None and self.drafter.extras.hidden
+
+    def under(self, rollback: str) -> Pair:
+        """This pair (the same contexts and drafter) under another rollback value (bench compares them)."""
+        if rollback == self.policy.rollback:
+            return self
+        other = copy.copy(self)
+        other.policy, other._warned = self.policy.under(rollback), set()
+        return other
+
+    @property
+    def window(self) -> int:
+        return self.policy.window
 
     @property
     def dctx(self) -> Context | None:
-        return getattr(self.drafter, "ctx", None)
+        return None if self.drafter is None else self.drafter.extras.context
 
     @property
     def contexts(self) -> list[Context]:
@@ -105,14 +126,17 @@ class Pair:
     def max_len(self) -> int:
         return min(c.max_len for c in self.contexts)
 
+    def reset(self) -> None:
+        """Empty both sides' contexts (a drafter without a context forgets at its next start)."""
+        for ctx in self.contexts:
+            ctx.reset()
+
     # -- the policy -------------------------------------------------------------------------------------------------
     def limit(self, k: int) -> tuple[str, str] | None:
         """None when both sides can undo a k-token draft in place; else (a key, the warning naming the cause)."""
-        if self.rollback == "checkpoint":
-            return ("forced", "rollback=checkpoint: every round copies and restores the state (the baseline)")
-        why = undo_limit(self.tctx, k, "target", depth=self.window)
-        limit = getattr(self.drafter, "limit", None)
-        return why or (limit(k) if limit is not None else None)
+        why = self.policy.limit(k, self.tctx, self.dctx)
+        extras = self.drafter.extras if self.drafter is not None else None
+        return why or (extras.limit(k) if extras is not None and extras.limit is not None else None)
 
     def bounded(self, k: int) -> bool:
         """Can a k-token draft roll back without a checkpoint? Warns once, naming the cause, when it cannot."""
@@ -125,6 +149,14 @@ class Pair:
             log.warning(message)
         self._warned.add(key)
         return False
+
+    def costs(self, n_max: int, reps: int = 3, tokens=None):
+        """The cost model's terms on the live contexts (adaptive.Costs), when the drafter has a cost model and there
+        is room; else None."""
+        extras = self.drafter.extras if self.drafter is not None else None
+        if extras is None or extras.costs is None:
+            return None
+        return extras.costs(self.tctx, n_max, reps=reps, tokens=tokens)
 
     # -- the checkpoint fallback ------------------------------------------------------------------------------------
     def checkpoint(self, seq: list[int], st: Stats) -> None:
@@ -145,3 +177,9 @@ class Pair:
     def restore(self) -> None:
         for ctx in self.contexts:
             ctx.restore()
+
+
+def _own_model(drafter) -> Model | None:
+    """The model of a Drafter that runs one on a context of its own (a ModelDrafter given ready-made)."""
+    ctx = None if drafter is None else drafter.extras.context
+    return None if ctx is None else ctx.model

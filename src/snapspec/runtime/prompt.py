@@ -32,12 +32,7 @@ class NoChatTemplate(SnapspecError):
 class Prompt:
     ids: list[int]
     base: int  # tokens of the conversation before its generation prompt (text: all but the last)
-    stop_ids: set[int] = field(default_factory=set)  # end-of-turn tokens, stopped at beside the export's EOS
-
-    def add_stops(self, gen) -> None:
-        """Make a Generator over these ids stop at the end-of-turn tokens too (unless it ignores EOS)."""
-        if gen.eos:  # empty when asked to ignore EOS
-            gen.eos |= self.stop_ids
+    stop_ids: set[int] = field(default_factory=set)  # end-of-turn tokens: a Generator given this Prompt stops there
 
 
 class FrontDoor:

@@ -25,14 +25,19 @@ from .stats import Stats
 
 
 def speculative_round(pair: Pair, seq: list[int], k: int, sampling: SamplingParams, rng: np.random.Generator,
-                      st: Stats, constraint=None) -> tuple[list[int], int]:
-    """One round after seq (its last token t0 is consumed by neither side yet). Returns (emitted tokens, j)."""
+                      st: Stats, constraint=None) -> tuple[list[int], int, int] | None:
+    """One round after seq (its last token t0 is consumed by neither side yet). Returns (emitted tokens, j, the draft
+    length k), or None
+    when the drafter proposed nothing (the caller takes a plain step; a checkpoint taken for it is not needed)."""
     tctx, drafter, n = pair.tctx, pair.drafter, len(seq)
-    bounded = pair.bounded(k)
+    bounded = k == 0 or pair.bounded(k)
     if not bounded:
         pair.checkpoint(seq, st)
     with st.timed("draft"):
         draft = drafter.propose(seq, k)
+    if draft.n == 0:
+        return None
+    k = draft.n  # a lookup may find fewer than asked
     logits = not sampling.greedy or constraint is not None
     with st.timed("verify"):  # with a queued draft, this also waits for the drafter's steps
         if draft.device is not None:
@@ -69,7 +74,7 @@ def speculative_round(pair: Pair, seq: list[int], k: int, sampling: SamplingPara
         mode = drafter.accepted(j, rows)
         if mode is not None:
             st.rollbacks[f"drafter:{mode}"] += 1
-    return draft.tokens[:j] + [nxt], j
+    return draft.tokens[:j] + [nxt], j, k
 
 
 def accept_greedy(draft: list[int], best: np.ndarray) -> tuple[int, int]:

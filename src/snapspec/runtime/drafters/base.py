@@ -1,31 +1,34 @@
 """Where draft tokens come from: one small interface, so that the speculative round never knows what drafts.
 
-A drafter follows the generated sequence. `start(prompt, ...)` opens a generation (with the target's prefill rows);
-each round `propose(seq, k)` gets k draft tokens after the whole sequence so far (prompt + accepted tokens; seq[-1]
-is the last accepted one), plus, when sampling, the distribution each was drawn from (the rejection rule needs q).
-After every target forward of the generation, `accepted(j, verify)` says that the first j tokens of the last draft
-were kept and hands over what the target returned: its argmax ids, and its post-norm hidden rows when the drafter
-asked for them (`wants_hidden`). A plain target step inside a speculative generation calls accepted(0, rows) with no
-draft before it, so a drafter that reads the target's hidden states (an MTP head) sees every target row.
+The contract is three calls, in the order a generation makes them:
+- `start(prompt, *, sampling, rng, stats, prefill, constraint, length)` opens a generation: the sampling law and its
+  random generator (shared with the target's acceptance, so a seeded run is reproducible), the stats to count into,
+  the target's Rows of the prompt's prefill (its hidden rows too when the drafter reads them), the constraint every
+  token follows (or None), and the context length the generation may reach;
+- `propose(seq, k)` gives at most k draft tokens after the whole sequence so far (prompt + accepted tokens; seq[-1]
+  is the last accepted one), plus, when sampling, the distribution each was drawn from (the rejection rule needs q).
+  Fewer is allowed (an n-gram lookup that finds less); none makes the round a plain target step. k = 0 asks for
+  nothing (the chooser skipped drafting) and returns an empty draft;
+- `accepted(j, verify)` follows every target forward of the generation: the first j tokens of the last draft were
+  kept (j = 0 with no draft before it: a plain step), and verify is what the target returned (its argmax ids, and its
+  post-norm hidden rows for a drafter that reads them), so a drafter that follows the target's rows sees every one.
 
-Everything else is an optional capability, asked for by whoever needs it, never required:
-- `available(seq, k)`: a draft source that may have fewer than k tokens (an n-gram lookup); 0 makes a plain step.
-- `limit(k)`: a drafter with state says when it cannot undo k draft steps in place (rollback.undo_limit);
-- `ctx`: the Context a drafter model runs on; the Pair checkpoints it on the checkpoint path;
-- `size(length)`: the Pair's context length, for a drafter with state of its own that is not a Context (an MTP head);
-- `measure_costs`, `chooser`, `has_draft`: the cost model and chooser of adaptive k (adaptive.py).
+Everything else a draft source can offer is in one object, `extras` (Extras below), read by the Pair and by the
+adaptive chooser, never required: the drafter's own Context, whether it reads the target's hidden rows, a limit on
+the draft it can undo, its cost model, its draft-length chooser and whether a draft would be found now.
 A deterministic draft source returns one-hot q rows when sampling: the rejection rule then stays exact.
 
-Under a constraint (constraint.py; the Generator sets `constraint` before `start`), a drafter that chooses from
-logits chooses through `choose`, which applies the mask after the tokens before the draft position; its forwards
-then return logits even when greedy (`wants_logits`). A draft source that does not choose from logits (an n-gram
-lookup) is checked by the round instead: a token the mask refuses is rejected there.
+Under a constraint (constraint.py) a drafter that chooses from logits chooses through `choose`, which applies the mask
+after the tokens before the draft position; its forwards then return logits even when greedy (`wants_logits`). A
+draft source that does not choose from logits (an n-gram lookup) is checked by the round instead: a token the mask
+refuses is rejected there.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -41,6 +44,11 @@ class Draft:
     q: list = field(default_factory=list)  # per token, the distribution it was drawn from (sampling); [] greedy
     device: DeviceIds | None = None  # the tokens, still on the device (a chained greedy draft); tokens is empty
 
+    @property
+    def n(self) -> int:
+        """How many tokens the draft holds (on the host or on the device)."""
+        return self.device.n if self.device is not None else len(self.tokens)
+
     def resolve(self) -> list[int]:
         """The tokens on the host (reading device ids waits for them, unless a verify's read brought them)."""
         if self.device is not None and not self.tokens:
@@ -48,23 +56,33 @@ class Draft:
         return self.tokens
 
 
-class Drafter(ABC):
-    """A source of draft tokens for the speculative round: start, propose, accepted."""
+@dataclass
+class Extras:
+    """A draft source's optional capabilities, asked for by the Pair and the adaptive chooser. The defaults are a
+    stateless source's: no context of its own, nothing it cannot undo, no cost model, the plain chooser."""
 
-    wants_hidden = False  # the target's forwards return their post-norm hidden rows for this drafter (Rows.hidden)
-    ctx = None  # the drafter's Context when it runs a model of its own
-    constraint = None  # a Constraint the drafts follow (set by the Generator for one generation)
+    context: object = None  # the drafter model's own Context: the Pair checkpoints it on the checkpoint path
+    hidden: bool = False  # the target's forwards return their post-norm hidden rows for it (Rows.hidden)
+    limit: Callable[[int], tuple[str, str] | None] | None = None  # k -> why k draft steps cannot be undone, or None
+    costs: Callable[..., Costs | None] | None = None  # (tctx, n_max, reps=, tokens=) -> the cost model's terms
+    chooser: Callable[[int, Costs | None], DraftLengthChooser] = DraftLengthChooser  # (k_max, costs) -> chooser
+    ready: Callable[[list[int]], bool] | None = None  # seq -> would a draft be found now (None: always)
+
+
+class Drafter(ABC):
+    """A source of draft tokens for the speculative round: start, propose, accepted (module doc)."""
+
+    extras = Extras()
+    constraint = None  # the Constraint of the running generation (start's)
 
     def start(self, prompt: list[int], *, sampling: SamplingParams, rng: np.random.Generator, stats: Stats,
-              prefill=None) -> None:
-        """A generation begins from `prompt`: take the sampling law, its random generator (shared with the target's
-        acceptance, so a seeded run is reproducible) and the stats to count into; prefill: the target's Rows of the
-        prompt's prefill (hidden rows of every prompt token it prefilled, when wants_hidden)."""
-        self.sampling, self.rng, self.stats = sampling, rng, stats
+              prefill=None, constraint=None, length: int | None = None) -> None:
+        """A generation begins from `prompt` (module doc)."""
+        self.sampling, self.rng, self.stats, self.constraint = sampling, rng, stats, constraint
 
     @abstractmethod
     def propose(self, seq: list[int], k: int) -> Draft:
-        """k draft tokens that follow seq (seq[-1] is the last accepted token)."""
+        """At most k draft tokens that follow seq (seq[-1] is the last accepted token); none for k = 0."""
 
     @abstractmethod
     def accepted(self, j: int, verify) -> str | None:
@@ -86,23 +104,3 @@ class Drafter(ABC):
         allowed = None if self.constraint is None else self.constraint.allowed(seq + drafted)
         with self.stats.timed("sampling"):
             return pick(rows.logits[-1], self.sampling, self.rng, allowed)
-
-    # -- optional capabilities (defaults: a stateless source that always has k tokens) ------------------------------
-    def size(self, length: int) -> None:
-        """The Pair's context length (a drafter whose own state must hold as many positions sizes it here)."""
-
-    def available(self, seq: list[int], k: int) -> int:
-        """How many draft tokens (at most k) propose(seq, k) will give; 0 makes the round a plain step."""
-        return k
-
-    def has_draft(self, seq: list[int]) -> bool:
-        """Whether a round after seq would find a draft, without counting or remembering anything."""
-        return True
-
-    def chooser(self, k_max: int, costs: Costs | None) -> DraftLengthChooser:
-        """The adaptive draft-length chooser for draft_max="auto"."""
-        return DraftLengthChooser(k_max, costs)
-
-    def measure_costs(self, tctx, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
-        """The cost model's terms on the live contexts (None: nothing to measure, or no room)."""
-        return None

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from ..adaptive import Costs, measure_costs
 from ..context import Context
-from ..rollback import undo_limit
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Extras
 
 
 class ModelDrafter(Drafter):
@@ -23,6 +22,7 @@ class ModelDrafter(Drafter):
         """chain: chain greedy drafts on the device when the context can (False: one step at a time, each read
         back before the next; kept for comparisons)."""
         self.ctx = ctx
+        self.extras = Extras(context=ctx, costs=self.measure_costs)  # its rollback limit: the Pair's policy, on ctx
         self.prefill_chunk = prefill_chunk
         self.chain = chain
         self._round: tuple[int, int] | None = None  # (len(seq), k) of the last propose
@@ -31,13 +31,10 @@ class ModelDrafter(Drafter):
     def model(self):
         return self.ctx.model
 
-    def start(self, prompt, *, sampling, rng, stats, prefill=None) -> None:
-        super().start(prompt, sampling=sampling, rng=rng, stats=stats)
+    def start(self, prompt, *, sampling, rng, stats, prefill=None, constraint=None, length=None) -> None:
+        super().start(prompt, sampling=sampling, rng=rng, stats=stats, constraint=constraint)
         kept = self.ctx.resume(prompt)
         stats.drafter_forwards += self.ctx.prefill(prompt[kept:], self.prefill_chunk, logits=False).forwards
-
-    def limit(self, k: int) -> tuple[str, str] | None:
-        return undo_limit(self.ctx, k, "drafter")
 
     def measure_costs(self, tctx: Context, n_max: int, reps: int = 3, tokens=None) -> Costs | None:
         if tctx.n_past + n_max > tctx.max_len or self.ctx.n_past + 2 > self.ctx.max_len:
@@ -47,6 +44,8 @@ class ModelDrafter(Drafter):
 
     def propose(self, seq: list[int], k: int) -> Draft:
         ctx, st, n = self.ctx, self.stats, len(seq)
+        if k == 0:
+            return Draft([])
         self._round = (n, k)
         logits = self.wants_logits
         st.drafter_forwards += k

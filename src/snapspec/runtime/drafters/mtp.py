@@ -32,7 +32,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from ..adaptive import Costs, measure_costs
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Extras
 from .mtp_chain import ChainedHead
 from .mtp_head import OnnxHead, check_head
 
@@ -45,8 +45,6 @@ class MtpDrafter(Drafter):
     """Drafts with the target's MTP head. target: the loaded target Model (its folder has the head); head: an object
     with the OnnxHead interface instead (tests); its KV is sized by the Pair (`size`). One MtpDrafter follows one
     target context: across generations on it (a chat session) it resumes its head and the hidden rows it holds."""
-
-    wants_hidden = True
 
     def __init__(self, target=None, head=None, threads: int | None = None, chain: bool | None = None):
         """chain: chain greedy drafts on the device (ChainedHead); default: when the target replays CUDA graphs."""
@@ -63,9 +61,10 @@ class MtpDrafter(Drafter):
         self._draft = Draft([])
         self._end = 0  # where the next plain target step's rows end (the position of seq[-1])
         self._warned = False
+        self.extras = Extras(hidden=True, costs=self.measure_costs)
 
     def size(self, length: int) -> None:
-        """The Pair's context length: the head's KV holds as many positions (made, or grown, here)."""
+        """The generation's context length: the head's KV holds as many positions (made, or grown, here)."""
         if self.head is None or self.head.max_len < length:
             if self.target is None:
                 raise SnapspecError(f"the MTP head holds {self.head.max_len} positions, {length} asked")
@@ -74,10 +73,9 @@ class MtpDrafter(Drafter):
             self._hidden, self._known = {}, []
 
     # -- the interface ----------------------------------------------------------------------------------------------
-    def start(self, prompt, *, sampling, rng, stats, prefill=None) -> None:
-        super().start(prompt, sampling=sampling, rng=rng, stats=stats)
-        if self.head is None:
-            self.size(len(prompt) + 1)
+    def start(self, prompt, *, sampling, rng, stats, prefill=None, constraint=None, length=None) -> None:
+        super().start(prompt, sampling=sampling, rng=rng, stats=stats, constraint=constraint)
+        self.size(max(int(length or 0), len(prompt) + 1))
         n = len(prompt)
         if prefill is None or prefill.hidden is None:
             raise SnapspecError("the target's prefill returned no hidden rows for the MTP head")
@@ -98,6 +96,8 @@ class MtpDrafter(Drafter):
 
     def propose(self, seq: list[int], k: int) -> Draft:
         n, st = len(seq), self.stats
+        if k == 0:
+            return Draft([])
         self._known = list(seq)
         self._round = (n, k)
         if not self.wants_logits and getattr(self.head, "chains", False):  # greedy: k steps chained on the device

@@ -29,7 +29,7 @@ cost) does not depend on h, but when hits are rare the plain steps dilute every 
 gain E(k) - cost wins over the best ratio, a somewhat longer draft. (Replaying pair-a's greedy outputs through this
 rule and the per-round ratio alone: within 1% of each other in predicted speed.) Nor does a miss pay for the cost
 model: the Generator times it (forwards of up to W + 1 tokens) at the first step whose lookup would find a draft
-(`has_draft`), so a generation whose lookups all miss is plain decoding, forward for forward. What a low hit rate
+(`extras.ready`), so a generation whose lookups all miss is plain decoding, forward for forward. What a low hit rate
 with wrong drafts costs is the rounds it takes the acceptance estimate to fall from its prior (0.6) to where no k
 pays: about 8 short rounds (k = 3 down to 1) with pair-a's costs.
 """
@@ -43,7 +43,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from ..adaptive import Costs, DraftLengthChooser, expected_emitted, measure_costs
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Extras
 
 DEFAULT_MIN, DEFAULT_MAX = 2, 4
 LIMIT = 16  # longest n-gram accepted: beyond it a lookup costs more and matches no more often
@@ -123,13 +123,13 @@ class NgramDrafter(Drafter):
     def __init__(self, vocab_size: int, n_min: int = DEFAULT_MIN, n_max: int = DEFAULT_MAX):
         self.vocab_size = int(vocab_size)
         self.index = NgramIndex(n_min, n_max)
-        self._draft: tuple[int, list[int]] | None = None  # (len(seq), tokens) of the last lookup
         self._shadow: tuple[int, int] | None = None  # (position, token) that a skipped draft would have begun with
-        self._chooser: LookupChooser | None = None
+        self._chooser: LookupChooser | None = None  # fed by the lookups (hit rate, skipped drafts' first tokens)
+        self.extras = Extras(costs=self.measure_costs, chooser=self.chooser, ready=self.has_draft)
 
-    def start(self, prompt, *, sampling, rng, stats, prefill=None) -> None:
-        super().start(prompt, sampling=sampling, rng=rng, stats=stats)
-        self._draft = self._shadow = None
+    def start(self, prompt, *, sampling, rng, stats, prefill=None, constraint=None, length=None) -> None:
+        super().start(prompt, sampling=sampling, rng=rng, stats=stats, constraint=constraint)
+        self._shadow = None
         self._sync(prompt, full=True)
 
     def _sync(self, seq: list[int], full: bool = False) -> None:
@@ -145,42 +145,32 @@ class NgramDrafter(Drafter):
             idx.truncate(have)
         idx.extend(seq[have:])
 
-    def available(self, seq: list[int], k: int) -> int:
+    def propose(self, seq: list[int], k: int) -> Draft:
+        """The lookup's continuation, at most k tokens (none when it finds nothing). k = 0 (the chooser skips
+        drafting) still looks up, and remembers the first token it would have drafted for the chooser."""
         st = self.stats
-        with st.timed("draft"):
-            self._sync(seq)
-            n = len(seq)
-            if self._shadow is not None:
-                pos, tok = self._shadow
-                self._shadow = None
-                if n > pos and self._chooser is not None:
-                    self._chooser.observe(seq[pos] == tok)
-            draft = self.index.lookup(max(k, 1))
-            if self._chooser is not None:
-                self._chooser.looked(bool(draft))
-            if k == 0:  # the chooser (or the end of the budget) skips drafting: remember what it would have said
-                self._shadow = (n, draft[0]) if draft else None
-                return 0
-            st.lookups += 1
-            st.lookup_hits += bool(draft)
-            self._draft = (n, draft)
-            return len(draft)
+        self._sync(seq)
+        n = len(seq)
+        if self._shadow is not None:
+            pos, tok = self._shadow
+            self._shadow = None
+            if n > pos and self._chooser is not None:
+                self._chooser.observe(seq[pos] == tok)
+        tokens = self.index.lookup(max(k, 1))
+        if self._chooser is not None:
+            self._chooser.looked(bool(tokens))
+        if k == 0:
+            self._shadow = (n, tokens[0]) if tokens else None
+            return Draft([])
+        st.lookups += 1
+        st.lookup_hits += bool(tokens)
+        tokens = tokens[:k]
+        return Draft(tokens, [] if self.sampling.greedy else [self._one_hot(t) for t in tokens])
 
     def has_draft(self, seq: list[int]) -> bool:
+        """Whether a lookup after seq would find a draft, without counting or remembering anything."""
         self._sync(seq)
         return self.index.match()[0] > 0
-
-    def propose(self, seq: list[int], k: int) -> Draft:
-        n = len(seq)
-        if self._draft is None or self._draft[0] != n or len(self._draft[1]) < k:
-            self._sync(seq)
-            self._draft = (n, self.index.lookup(k))
-        tokens = self._draft[1][:k]
-        self._draft = None
-        if len(tokens) < k:
-            raise SnapspecError(f"the n-gram lookup has {len(tokens)} draft tokens, not {k}: ask available() first")
-        q = [] if self.sampling.greedy else [self._one_hot(t) for t in tokens]
-        return Draft(tokens, q)
 
     def _one_hot(self, token: int) -> np.ndarray:
         q = np.zeros(self.vocab_size)
@@ -191,6 +181,7 @@ class NgramDrafter(Drafter):
         return None  # nothing consumed: the next lookup sees the accepted sequence
 
     def chooser(self, k_max: int, costs: Costs | None) -> DraftLengthChooser:
+        """The generation's LookupChooser, which this drafter's lookups feed."""
         self._chooser = LookupChooser(k_max, costs)
         return self._chooser
 
