@@ -282,3 +282,7 @@ def test_a_base_model_serves_completions_and_refuses_chat(tiny_export, tmp_path)
         assert got == 400 and error["code"] == "no_chat_template" and error["param"] == "messages"
         assert "no chat template" in error["message"] and "/v1/completions" in error["message"]
         assert "no chat template" in srv["log"].read_text()
+        tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+        got, answer = _request(srv, "POST", "/v1/chat/completions", json.dumps(  # with tools: the same 400
+            {"model": srv["model"], "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}).encode())
+        assert got == 400 and answer["error"]["code"] == "no_chat_template", answer

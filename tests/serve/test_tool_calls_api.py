@@ -116,6 +116,29 @@ def test_required_tool_call_streamed(served):
     _check_call(call, {"weather": WEATHER, "time": TIME}[call.function.name])
 
 
+def test_required_parallel_calls_cut_by_max_tokens(served):
+    """tool_choice required with parallel_tool_calls (the default): the lfm2-style model repeats calls until
+    max_tokens cuts one short. The complete ones still come back as tool_calls (finish_reason tool_calls), streamed
+    too, where the client's helper raises LengthFinishReasonError on finish_reason length. A named function is
+    called once, and the reply ends there."""
+    client = served["client"]
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=120)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        _check_call(call, {"weather": WEATHER, "time": TIME}[call.function.name])
+    with client.chat.completions.stream(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                        max_tokens=120) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in final.choices[0].message.tool_calls] == \
+        [c.function.name for c in choice.message.tool_calls]
+    named = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], max_tokens=120,
+                                           tool_choice={"type": "function", "function": {"name": "time"}})
+    assert len(named.choices[0].message.tool_calls) == 1 and named.model_extra["snapspec"]["stop_reason"] == "eos"
+
+
 def test_raw_stream_chunks(served):
     """The raw chunks: content (if any) first, one delta with the calls (index, id, type, name, arguments), then the
     finish chunk."""

@@ -78,6 +78,7 @@ def test_parses_what_the_template_writes(template):
     ("pythonic", "<|tool_call_start|>[__import__('os')]<|tool_call_end|>"),
     ("toolcall", '<TOOLCALL>[{"arguments": {}}]</TOOLCALL>'),  # no name
     ("hermes", "no call at all"),
+    ("pythonic", "<|tool_call_start|>" + "[" * 200 + "<"),  # CPython's parser: a MemoryError, not a SyntaxError
 ])
 def test_malformed_calls_are_text(name, text):
     assert FORMATS[name].parse(text, {"weather", "time"}) is None
@@ -86,6 +87,40 @@ def test_malformed_calls_are_text(name, text):
 def test_a_last_call_without_its_end_tag():
     got = FORMATS["hermes"].parse('<tool_call>\n{"name": "time", "arguments": {"zone": "utc"}}', {"time"})
     assert got == ("", [{"name": "time", "arguments": {"zone": "utc"}}])
+
+
+W = {"name": "weather", "arguments": {"city": "P,a"}}
+T = {"name": "time", "arguments": {"zone": "utc"}}
+
+
+@pytest.mark.parametrize("name,text,calls", [
+    ("hermes", '<tool_call>\n{"name": "weather", "arguments": {"city": "P,a"}}\n</tool_call>\n<tool_call>\n'
+               '{"name": "time", "argu', [W]),  # cut inside the second call
+    ("hermes", '<tool_call>\n{"name": "time", "arguments": {"zone": "utc"}}\n</tool_', [T]),  # inside its end tag
+    ("hermes", '<tool_call>\n{"name": "time", "arguments": {"zone": "utc"}}\n</tool_call>\n<tool_ca', [T]),
+    ("xml", "<tool_call>\n<function=time>\n<parameter=zone>\nutc\n</parameter>\n</function>\n"
+            "<function=weather>\n<parameter=ci", [T]),
+    ("pythonic", '<|tool_call_start|>[weather(city="P,a"), time(zone="utc"), weather(city=', [W, T]),
+    ("toolcall", '<TOOLCALL>[{"name": "weather", "arguments": {"city": "P,a"}}, {"name": "time", "arguments": '
+                 '{"zone": {"u": 1}, "x"', [W]),
+])
+def test_a_cut_reply_keeps_its_complete_calls(name, text, calls):
+    """max_tokens (or a stop string) cut the reply: the complete calls come back, the one cut short is dropped; a
+    reply the model ended itself with the same text is malformed (text)."""
+    assert FORMATS[name].parse(text, {"weather", "time"}, cut=True) == ("", calls)
+    assert FORMATS[name].parse(text, {"weather", "time"}) is None
+
+
+def test_a_cut_reply_without_a_complete_call_is_text():
+    from types import SimpleNamespace
+
+    from snapspec.cli.openai_tools import message
+    assert FORMATS["hermes"].parse('<tool_call>\n{"name": "time", "arg', {"time"}, cut=True) is None
+    job = SimpleNamespace(settings=SimpleNamespace(tools=[{"name": "time"}], tool_choice="required"),
+                          tool_format=FORMATS["hermes"])
+    text = '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"na'
+    msg, finish = message(job, text, "length", cut=True)
+    assert finish == "tool_calls" and msg["tool_calls"][0]["function"] == {"name": "time", "arguments": "{}"}
 
 
 @pytest.mark.parametrize("template", [QWEN3, QWEN35, LFM2, NEMOTRON])

@@ -197,6 +197,11 @@ def _object(body, name) -> dict:
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length"}
 
 
+def cut(job) -> bool:
+    """Whether the model did not end its reply itself (max_tokens, the context, a stop string, a disconnect)."""
+    return job.gen.stop_reason != "eos"
+
+
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
@@ -227,7 +232,7 @@ def completion(job, text: str) -> dict:
     gen = job.gen
     finish = FINISH.get(gen.stop_reason, "stop")
     if job.settings.kind == "chat":
-        message, finish = openai_tools.message(job, text, finish)
+        message, finish = openai_tools.message(job, text, finish, cut=cut(job))
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -266,7 +271,7 @@ def now() -> int:
 
 def last_chunks(job) -> list[dict]:
     """The chunks that end a streamed chat reply: the text held back (no call after all), the calls, the finish."""
-    rest, calls = job.stream.finish(job.text)
+    rest, calls = job.stream.finish(job.text, cut=cut(job))
     out = [chunk(job, rest)] if rest else []
     if calls:
         out.append(chunk(job, tool_calls=calls))

@@ -6,8 +6,12 @@ Request side: `tools`, `tool_choice` (none, auto, required, or a named function)
 format become a grammar (runtime/constraint.py) that every token of the reply follows, speculation included.
 
 Response side: a reply in the model's tool-call format (runtime/tool_calls.py, recognised from its chat template)
-becomes `message.tool_calls` with finish_reason "tool_calls"; streamed, the text from the first call tag on is held
-back and the calls go out as `delta.tool_calls` at the end. A reply whose calls do not parse is returned as text.
+becomes `message.tool_calls` with finish_reason "tool_calls", whatever ended it: a reply cut by max_tokens keeps its
+complete calls and drops the one cut short. Streamed, the text from the first call tag on is held back and the calls
+go out as `delta.tool_calls` at the end. A reply whose calls do not parse is returned as text.
+
+A function named in tool_choice is called once (as OpenAI and vLLM do); `required` gives several calls only with
+parallel_tool_calls (the default). A single forced call ends the reply: after it the grammar allows only a stop.
 """
 
 from __future__ import annotations
@@ -110,11 +114,17 @@ def template_messages(messages: list[dict]) -> list[dict]:
 def template_kwargs(s, worker) -> dict:
     """The template arguments of a request: its tools, and enable_thinking off when a grammar shapes the reply from
     its first token (a reasoning block would have to follow the grammar too) unless the request set it. A 400 when
-    the template cannot show the model the tools it may call."""
+    the model cannot be shown the tools it may call: no chat template (NoChatTemplate), --no-chat-template, or a
+    template that does not render them."""
 
     template = worker.door.format.template
-    if s.tools and s.tool_choice != "none" and worker.tool_format is None:
-        raise ApiError(400, f"{worker.model_id}'s chat template does not render tools", "tools")
+    if s.tools and s.tool_choice != "none":
+        worker.door.require_chat()  # no template: the no_chat_template 400 of every chat request to a base model
+        if worker.door.plain:
+            raise ApiError(400, f"{worker.model_id} is served with --no-chat-template, which joins the messages' "
+                                "text: the model cannot be shown tools", "tools")
+        if worker.tool_format is None:
+            raise ApiError(400, f"{worker.model_id}'s chat template does not render tools", "tools")
     kwargs = dict(s.template_kwargs)
     if s.tools:  # rendered with tool_choice none too: the model knows them, and is not to call them
         kwargs["tools"] = [{"type": "function", "function": t} for t in s.tools]
@@ -140,20 +150,22 @@ def constraint(worker, s):
         if s.tool_choice in ("none", "auto"):
             return None
         tools = s.tools if s.tool_choice == "required" else [t for t in s.tools if t["name"] == s.tool_choice]
-        text = worker.tool_format.grammar(tools, target.tokenizer, parallel=s.parallel_tool_calls)
+        parallel = s.parallel_tool_calls and s.tool_choice == "required"  # a named function: one call (module doc)
+        text = worker.tool_format.grammar(tools, target.tokenizer, parallel=parallel)
         return Constraint(Grammar.lark(target, text, "tools"))
     except SnapspecError as exc:
         raise ApiError(400, str(exc), "tools" if s.response_format is None else "response_format") from None
 
 
-def parse_calls(job, text: str) -> tuple[str, list[dict]] | None:
-    """(content, OpenAI tool_calls) when the reply calls tools; None otherwise (and when the calls are malformed)."""
+def parse_calls(job, text: str, cut: bool = False) -> tuple[str, list[dict]] | None:
+    """(content, OpenAI tool_calls) when the reply calls tools; None otherwise (and when the calls are malformed).
+    cut: the generation did not end by itself (ToolFormat.parse keeps the complete calls)."""
     from snapspec.runtime.tool_calls import new_call_id
 
     s, fmt = job.settings, job.tool_format
     if not s.tools or s.tool_choice == "none" or fmt is None:
         return None
-    parsed = fmt.parse(text, {t["name"] for t in s.tools})
+    parsed = fmt.parse(text, {t["name"] for t in s.tools}, cut=cut)
     if parsed is None:
         return None
     content, calls = parsed
@@ -162,9 +174,9 @@ def parse_calls(job, text: str) -> tuple[str, list[dict]] | None:
                      for c in calls]
 
 
-def message(job, text: str, finish: str) -> tuple[dict, str]:
-    """The chat response's message and finish_reason."""
-    parsed = parse_calls(job, text)
+def message(job, text: str, finish: str, cut: bool = False) -> tuple[dict, str]:
+    """The chat response's message and finish_reason ("tool_calls" when it has calls, even cut by max_tokens)."""
+    parsed = parse_calls(job, text, cut)
     if parsed is None:
         return {"role": "assistant", "content": text}, finish
     content, calls = parsed
@@ -206,9 +218,10 @@ class ToolStream:
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out
 
-    def finish(self, text: str) -> tuple[str, list[dict] | None]:
-        """(text not sent yet, tool_calls or None) at the end of the reply; text: the reply's final text."""
-        parsed = parse_calls(self.job, text) if self.tag else None
+    def finish(self, text: str, cut: bool = False) -> tuple[str, list[dict] | None]:
+        """(text not sent yet, tool_calls or None) at the end of the reply; text: the reply's final text; cut: as
+        parse_calls."""
+        parsed = parse_calls(self.job, text, cut) if self.tag else None
         if parsed is None:
             return text[self.sent:], None
         content, calls = parsed

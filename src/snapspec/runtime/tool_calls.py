@@ -36,26 +36,31 @@ class ToolFormat:
         """Where the first call begins in text (-1: none)."""
         return text.find(self.start)
 
-    def parse(self, text: str, names: set[str] | None = None) -> tuple[str, list[dict]] | None:
+    def parse(self, text: str, names: set[str] | None = None, cut: bool = False) -> tuple[str, list[dict]] | None:
         """(content before the calls, [{name, arguments (a dict)}]) from a reply; None when the reply has no call or
         its calls are malformed (the reply is then text). names: the tools offered; a call to another is malformed. A
-        last call without its end tag counts when its body parses whole (a call cut by max_tokens does not)."""
+        last call without its end tag counts when its body parses whole. cut: the model did not end the reply itself
+        (max_tokens, the context, a stop string): a last call cut short is dropped and the complete calls before it
+        are kept, in the list formats the complete items of a cut list too."""
         at = self.find(text)
         if at < 0:
             return None
         content, rest, calls = text[:at], text[at:], []
         while rest.strip():
-            if not rest.lstrip().startswith(self.start):
+            rest = rest.lstrip()
+            if not rest.startswith(self.start):
+                if cut and calls and self.start.startswith(rest.rstrip()):  # cut inside the next call's tag
+                    break
                 return None
-            rest = rest.lstrip()[len(self.start):]
+            rest = rest[len(self.start):]
             end = rest.find(self.end)
-            if end < 0:  # a last call whose end tag never came (some models stop right after the arguments)
+            last = end < 0
+            if last:  # a last call whose end tag never came (some models stop right after the arguments)
                 end, rest = len(rest), rest + self.end
-            try:
-                found = _BODY[self.name](rest[:end])
-            except (ValueError, SyntaxError, TypeError, KeyError, AttributeError, RecursionError):
-                return None
+            found = self._body(rest[:end], cut and last)
             if not found:
+                if cut and last and calls:
+                    break
                 return None
             calls += found
             rest = rest[end + len(self.end):]
@@ -65,6 +70,27 @@ class ToolFormat:
             if names is not None and call["name"] not in names:
                 return None
         return content.rstrip(), calls
+
+    def _body(self, body: str, cut: bool) -> list[dict]:
+        """The calls of one call body ([] when malformed). cut: the body may end early, so also try it less a
+        partial end tag and, in the list formats, closed after its last complete item (from the longest)."""
+        tries = [body]
+        if cut:
+            body = body[:len(body) - next((n for n in range(len(self.end) - 1, 0, -1)
+                                            if body.endswith(self.end[:n])), 0)]
+            tries.append(body)
+            if self.name == "xml" and "</function>" in body:
+                tries.append(body[:body.rfind("</function>") + len("</function>")])
+            elif self.name in ("pythonic", "toolcall"):
+                tries += [body[:m.start() + 1] + "]" for m in reversed(list(_ITEM_END.finditer(body)))]
+        for attempt in tries:
+            try:
+                found = _BODY[self.name](attempt)
+            except (ValueError, SyntaxError, TypeError, KeyError, AttributeError, RecursionError, MemoryError):
+                continue  # MemoryError: CPython's parser on deep nesting ("[" * 200 then a stray "<")
+            if found:
+                return found
+        return []
 
     def grammar(self, tools: list[dict], tokenizer, parallel: bool = True) -> str:
         """A Lark grammar (llguidance) whose every sentence is one call (several when parallel) of the tools, in
@@ -158,6 +184,9 @@ def _xml_calls(body: str) -> list[dict]:
     if not calls or _FUNCTION.sub("", body).strip():
         raise ValueError("text outside <function=...> blocks")
     return calls
+
+
+_ITEM_END = re.compile(r"[)}](?=\s*,)")  # where a list format's item may end, before the comma to the next
 
 
 _CONSTANTS = {"true": True, "false": False, "null": None}
