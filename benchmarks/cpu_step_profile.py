@@ -39,7 +39,7 @@ from onnx import TensorProto, helper
 
 from snapspec.runtime import exactness, hugepages
 from snapspec.runtime import model as snap_model
-from snapspec.runtime.context import Context
+from snapspec.runtime import Policy
 from snapspec.runtime.exactness import cpu_name
 
 
@@ -121,7 +121,7 @@ class Step:
         self.model = snap_model.load(folder, threads=threads, spin=spin)
         if session is not None:
             self.model = dataclasses.replace(self.model, session=session)
-        self.ctx = Context(self.model, min(depth + 1024, self.model.manifest.max_context))
+        self.ctx = Policy(self.model).open(self.model, min(depth + 1024, self.model.manifest.max_context))
         rng = np.random.default_rng(1)
         self.prompt = rng.integers(10, min(self.model.vocab_size, 8000), depth).tolist()
 

@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     a = p.parse_args(argv)
 
-    from snapspec.runtime import Context, load
+    from snapspec.runtime import load
+    from snapspec.runtime import Policy
     from snapspec.runtime.adaptive import measure_costs
     from snapspec.runtime.drafters.mtp import _HeadSteps
     from snapspec.runtime.drafters.mtp_chain import ChainedHead
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     model = load(a.target, a.ep, cuda_graph=a.cuda_graph)
     load_s = time.perf_counter() - t0
     length = a.context_fill + a.k_max + 16
-    ctx = Context(model, length)
+    ctx = Policy(model).open(model, length)
     rng = np.random.default_rng(0)
     prompt = rng.integers(1, 8000, a.context_fill).tolist()  # ids inside pair-a's tokenizer (the shapes' tokenizer)
     ctx.hidden = True

@@ -49,7 +49,7 @@ def _vm(field: str) -> float:
 
 
 def child(a) -> dict:
-    from snapspec.runtime import Context, store_for, load
+    from snapspec.runtime import Policy, store_for, load
 
     t0 = time.perf_counter()
     model = load(a.folder, threads=a.threads)
@@ -57,7 +57,7 @@ def child(a) -> dict:
     vocab = min(model.vocab_size, model.tokenizer.get_vocab_size())
     ids = np.random.default_rng(0).integers(0, vocab, max(a.tokens, 64) + 16).tolist()
     if a.mode == "prefill":
-        ctx = Context(model, a.tokens + 8)
+        ctx = Policy(model).open(model, a.tokens + 8)
         ctx.prefill(ids[:64], logits=False)  # warm-up: shapes, allocator
         ctx.reset()
         t = time.perf_counter()
@@ -66,7 +66,7 @@ def child(a) -> dict:
         out["tokens_per_s"] = a.tokens / out["seconds"]
         out["state_mib"] = ctx.nbytes / 2**20
     elif a.mode == "decode":
-        ctx = Context(model, a.tokens + 16)
+        ctx = Policy(model).open(model, a.tokens + 16)
         for warm in (8, a.tokens):
             ctx.reset()
             tok, t = ids[0], time.perf_counter()
@@ -79,8 +79,8 @@ def child(a) -> dict:
 
         drafter = load(a.drafter, threads=a.drafter_threads, role="drafter", spin=False)
         window = model.manifest.rollback["window"]
-        tctx = Context(model, 128, mode=store_for(model, "target"), window=window)
-        dctx = Context(drafter, 128, mode=store_for(drafter, "drafter"), window=window)
+        tctx = Policy(model, window=window).open(model, 128, store=store_for(model, "target"))
+        dctx = Policy(drafter, window=window).open(drafter, 128, store=store_for(drafter, "drafter"))
         tctx.prefill(ids[:64], logits=False)
         dctx.prefill(ids[:64], logits=False)
         n_max = min(a.k_max, tctx.depth) + 1
@@ -110,7 +110,7 @@ def _profile(folder: Path, threads: int, t: int, runs: int) -> dict:
     """onnxruntime's profile of `runs` forwards of t tokens on an empty context: kernel ms per run by op type."""
     import onnxruntime as ort
 
-    from snapspec.runtime import Context, load
+    from snapspec.runtime import Policy, load
 
     model = load(folder, threads=threads)
     so = ort.SessionOptions()
@@ -121,7 +121,7 @@ def _profile(folder: Path, threads: int, t: int, runs: int) -> dict:
     so.profile_file_prefix = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"realshape-prof-{os.getpid()}")
     model.session = ort.InferenceSession(str(model.manifest.graph_path("forward")), so,
                                          providers=["CPUExecutionProvider"])
-    ctx = Context(model, t + 8)
+    ctx = Policy(model).open(model, t + 8)
     ids = list(range(1, t + 1))
     for _ in range(runs + 1):
         ctx.reset()

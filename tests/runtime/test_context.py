@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 
 from snapspec import manifest
 from snapspec.runtime import Context, Generator, SamplingParams, load
+from snapspec.runtime import Policy
 from snapspec.runtime import context as context_mod
 
 ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
@@ -75,7 +76,7 @@ def kept(tiny_export, tmp_path_factory):
 
 def _host_rows(m) -> Context:
     """A context that ignores the graph's logits_to_keep and next_tokens, as with an export made before them."""
-    ctx = Context(m, 64)
+    ctx = Policy(m).open(m, 64)
     ctx.io.keeps_rows = ctx.io.argmax_in_graph = False
     return ctx
 
@@ -85,11 +86,11 @@ def test_forward_returns_only_the_rows_asked_for(model, kept, arch):
     """keep=n gives the last n rows of a full forward; ids are their argmax; logits only when asked. With the
     graph's logits_to_keep/next_tokens, and without them (the host slices and takes the argmax)."""
     m = kept(arch)
-    assert Context(m, 64).keeps_rows and Context(m, 64).argmax_in_graph
+    assert Policy(m).open(m, 64).keeps_rows and Policy(m).open(m, 64).argmax_in_graph
     toks = m.encode(PROMPT)
     full = _host_rows(model(arch)).forward(toks).logits
     assert full.shape[0] == len(toks)
-    for make in (lambda: Context(m, 64), lambda: _host_rows(m)):
+    for make in (lambda: Policy(m).open(m, 64), lambda: _host_rows(m)):
         for keep in (1, 3, len(toks)):
             rows = make().forward(toks, keep=keep)
             assert rows.logits.shape == (keep, full.shape[1])
@@ -163,7 +164,8 @@ def test_buffers_sized_to_need(model):
 
 
 def test_checkpoint_reports_its_copy(model):
-    ctx = Context(model("qwen3_5_text"), 32)
+    m = model("qwen3_5_text")
+    ctx = Policy(m).open(m, 32)
     before = ctx.nbytes
     ctx.forward([1, 2, 3])
     ctx.checkpoint()
@@ -211,7 +213,7 @@ def test_resumed_turns_prefill_only_what_is_new(model, target, drafter):
 
 def test_resume_keeps_at_least_one_token_to_feed(model):
     t = model("qwen3")
-    ctx = Context(t, 64)
+    ctx = Policy(t).open(t, 64)
     ctx.forward([5, 6, 7, 8])
     assert ctx.resume([5, 6, 7, 8]) == 3 and ctx.n_past == 3 and ctx.tokens == [5, 6, 7]
     assert ctx.resume([9]) == 0 and ctx.n_past == 0
@@ -219,7 +221,8 @@ def test_resume_keeps_at_least_one_token_to_feed(model):
 
 def test_attention_mask_is_a_view_of_one_buffer(model, monkeypatch):
     """No O(context) allocation per step: the mask is bound by pointer from one ones-buffer made with the context."""
-    ctx = Context(model("qwen3_5_text"), 64)
+    m = model("qwen3_5_text")
+    ctx = Policy(m).open(m, 64)
     made = []
     real = np.ones
     monkeypatch.setattr(context_mod.np, "ones", lambda *a, **k: made.append(a) or real(*a, **k))
@@ -235,7 +238,7 @@ def test_int4_verify_equals_steps_at_the_end_of_the_context(model, arch):
     leaves room for the attention's spare query row, src/snapspec/export/blocks.py)."""
     m = model(arch, quant="int4", block_size=16)
     ids = list(np.random.default_rng(3).integers(1, m.vocab_size, 25))
-    verify, steps = Context(m, 25), Context(m, 25)
+    verify, steps = Policy(m).open(m, 25), Policy(m).open(m, 25)
     verify.prefill(ids[:20])
     steps.prefill(ids[:20])
     multi = verify.forward(ids[20:])
@@ -254,14 +257,14 @@ def test_rollback_data_covers_the_first_window_rows(model):
     w = m.manifest.rollback["window"]
     assert m.manifest.rollback_data["rows"] == w
     ids = list(np.random.default_rng(4).integers(1, m.vocab_size, 40))
-    ctx = Context(m, 48)
+    ctx = Policy(m).open(m, 48)
     ctx.forward(ids[:30])
     assert ctx.recurrent._last.data.shape()[1] == w  # [1, W, width], not [1, 30, width]
     assert ctx.can_rollback(3) is None  # keeping 27 of the 30 tokens would need rows 8..26
     assert ctx.can_rollback(30 - w) == "replay"  # keeping W tokens: the rows it has
     ctx.forward(ids[30:35])
     ctx.rollback(32)
-    direct = Context(m, 48)
+    direct = Policy(m).open(m, 48)
     direct.forward(ids[:30])
     direct.forward(ids[30:32])
     got, want = ctx.state_snapshot(), direct.state_snapshot()

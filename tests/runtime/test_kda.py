@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapspec.runtime import Context, Generator, SamplingParams
+from snapspec.runtime import Generator, SamplingParams
+from snapspec.runtime import Policy
 from snapspec.runtime import contract
 from snapspec.runtime.sampling import probs
 
@@ -74,7 +75,7 @@ def test_sampled_law(model, target):
     params = SamplingParams(temperature=1.0, top_k=3)
 
     def law(prefix: list[int]) -> np.ndarray:
-        return probs(Context(t, 64).forward(prompt + prefix).logits[-1], params)
+        return probs(Policy(t).open(t, 64).forward(prompt + prefix).logits[-1], params)
 
     joint: dict[tuple, float] = {}
     p1 = law([])

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapspec.runtime import Context, Generator, SamplingParams
+from snapspec.runtime import Generator, SamplingParams
+from snapspec.runtime import Policy
 from snapspec.runtime.sampling import probs
 
 PAIRS = [("bamba", "qwen3"), ("mamba2", "bamba"), ("lfm2_moe", "mamba2"), ("zamba2", "qwen3")]
@@ -23,7 +24,7 @@ RUNS = 200
 
 def _exact_law(t, prompt: list[int], params: SamplingParams) -> np.ndarray:
     """p(t1) p(t2 | t1) over the vocabulary, from plain forwards (every t1 in the support)."""
-    ctx = Context(t, len(prompt) + 2)
+    ctx = Policy(t).open(t, len(prompt) + 2)
     first = probs(ctx.forward(prompt).logits[-1], params)
     law = np.zeros((first.size, first.size))
     for a in np.flatnonzero(first):

@@ -499,8 +499,8 @@ class ChainRecording(MtpDrafter):
 
     def propose(self, seq, k):
         draft = super().propose(seq, k)
-        on_device = draft.device is not None
-        self.rounds.append((list(seq), list(draft.resolve()), on_device))
+        if k:  # k = 0 (no room left) asks for nothing
+            self.rounds.append((list(seq), list(draft.resolve()), draft.device is not None))
         return draft
 
 

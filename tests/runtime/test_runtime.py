@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from snapspec import SnapspecError
-from snapspec.runtime import Context, Generator, RollbackError, SamplingParams, final_text, load, stream_text
+from snapspec.runtime import Generator, RollbackError, SamplingParams, final_text, load, stream_text
+from snapspec.runtime import Policy
 from snapspec.runtime import contract
 
 ARCHS = ["qwen3_5_text", "qwen3_next", "lfm2", "qwen3"]
@@ -141,7 +142,7 @@ def test_checkpoint_path_counts_every_round(model, caplog):
 
 def test_rollback_beyond_window_refuses(model):
     m = model("qwen3_5_text")
-    ctx = Context(m, 64, mode="ring", window=3)
+    ctx = Policy(m, window=3).open(m, 64, store="ring")
     ctx.forward([1, 2, 3])
     for tok in (4, 5, 6, 7, 8):
         ctx.forward([tok])
@@ -157,7 +158,8 @@ def test_rollback_beyond_window_refuses(model):
 
 
 def test_truncate_only_for_attention_models(model):
-    ctx = Context(model("qwen3"), 64, window=2)
+    m = model("qwen3")
+    ctx = Policy(m, window=2).open(m, 64)
     ctx.forward(list(range(1, 20)))
     assert ctx.can_rollback(15) == "truncate"
 
@@ -228,12 +230,12 @@ def test_sampled_law_on_mamba1_targets(model, target, drafter):
     t, d = model(target), model(drafter)
     prompt = t.encode("The quick brown")
     params = [SamplingParams(temperature=1.0, top_k=3, seed=s) for s in range(300)]
-    rows = Context(t, 64).forward(prompt).logits
+    rows = Policy(t).open(t, 64).forward(prompt).logits
     first = probs(rows[-1], params[0])
     support = np.flatnonzero(first)
     exact = np.zeros((t.vocab_size, t.vocab_size))
     for a in support:
-        exact[a] = first[a] * probs(Context(t, 64).forward(prompt + [int(a)]).logits[-1], params[0])
+        exact[a] = first[a] * probs(Policy(t).open(t, 64).forward(prompt + [int(a)]).logits[-1], params[0])
     counts, modes = np.zeros_like(exact), set()
     for p in params:
         g = Generator(t, prompt, drafter=d, max_new_tokens=3, draft_max=2, sampling=p, stop_at_eos=False,

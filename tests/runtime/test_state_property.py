@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from snapspec import SnapspecError
 from snapspec.runtime import Context, RollbackError, load
+from snapspec.runtime import Policy
 
 # One architecture per kind of state: Gated DeltaNet (qwen3_5_text), short convolution (lfm2), attention only (qwen3);
 # the Mamba2 hybrids below. Qwen3-Next is left out: its linear-attention layers have the same kind and the same
@@ -63,7 +64,7 @@ class Reference:
     def get(self, tokens: list[int]) -> tuple[np.ndarray | None, dict]:
         key = tuple(tokens)
         if key not in self.memo:
-            ctx = Context(self.model, MAX_LEN, poison=True)
+            ctx = Policy(self.model).open(self.model, MAX_LEN, poison=True)
             rows = ctx.forward(tokens).logits if tokens else None
             self.memo[key] = (rows, ctx.state_snapshot())
         return self.memo[key]
@@ -235,7 +236,7 @@ def test_random_operations_keep_state_exact(models, arch, mode, data):
 def walk(models, arch: str, mode: str, data) -> None:
     model = models(arch)
     ref = _refs.setdefault(arch, Reference(model))
-    ctx = Context(model, MAX_LEN, mode=mode, window=W, poison=True)
+    ctx = Policy(model, window=W).open(model, MAX_LEN, store=mode, poison=True)
     run_example(data, model, ctx, ref)
 
 

@@ -17,7 +17,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from snapspec import manifest
-from snapspec.runtime import Context, Generator, load
+from snapspec.runtime import Generator, load
+from snapspec.runtime import Policy
 from snapspec.runtime import model as model_mod
 from tiny import make_tokenizer
 
@@ -139,7 +140,7 @@ def test_synthetic_graphs_agree_with_the_reference(folder, windowed):
     assert plain.state_window is None and windowed.state_window == W
     toks = [3, 1, 4, 1, 5, 9, 2, 6]
     for model in (plain, windowed):
-        ctx = Context(model, 64)
+        ctx = Policy(model).open(model, 64)
         rows = ctx.forward(toks).logits
         assert np.allclose(rows[-1], _logits(_reference(toks)), rtol=1e-5, atol=1e-4)
         state = ctx.state_snapshot()["past_recurrent_state.0"].reshape(-1)
@@ -150,7 +151,7 @@ def test_window_rollback_random_walk(windowed):
     """Random forwards (1..6 tokens), rollbacks to every position the mode offers, checkpoints and restores, with
     NaN-poisoned arenas: state and next logits always equal the NumPy fold of the kept tokens."""
     rng = np.random.default_rng(0)
-    ctx = Context(windowed, 256, poison=True)
+    ctx = Policy(windowed).open(windowed, 256, poison=True)
     assert ctx.mode == "window" and ctx.depth == W - 1
     seq: list[int] = []
     saved = None

@@ -17,7 +17,8 @@ import pexpect
 import pytest
 
 from snapspec import SnapspecError
-from snapspec.runtime import ChatSession, Context, final_text, generate, load
+from snapspec.runtime import ChatSession, final_text, generate, load
+from snapspec.runtime import Policy
 from snapspec.runtime.prompt import FrontDoor, common_prefix
 
 SNAPSPEC = str(Path(sys.executable).parent / "snapspec")
@@ -147,7 +148,7 @@ def test_mark_returns_to_the_conversation_before_the_generation_prompt(chat_expo
             assert common_prefix(session.last.prompt, ids) == len(ids) - 1  # diverges at the last prompt's end
             assert s.prompt_reused == base and 0 < base < len(ids)  # back to the mark, not to 0
         for ctx in (session.cache.tctx, session.cache.dctx):  # the state is what the tokens held give, afresh
-            fresh = Context(ctx.model, ctx.max_len)
+            fresh = Policy(ctx.model).open(ctx.model, ctx.max_len)
             fresh.prefill(ctx.tokens, logits=False)
             want, got = fresh.state_snapshot(), ctx.state_snapshot()
             for name in want:

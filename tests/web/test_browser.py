@@ -113,7 +113,8 @@ def test_int4_embedding_fp32_export(tiny_export):
     import numpy as np
     import onnx
 
-    from snapspec.runtime import Context, load
+    from snapspec.runtime import load
+    from snapspec.runtime import Policy
 
     int4 = dict(quant="int4", block_size=32)
     a, b = tiny_export("qwen3", embedding_dtype="fp16", **int4), tiny_export("qwen3", embedding_dtype="fp32", **int4)
@@ -121,7 +122,8 @@ def test_int4_embedding_fp32_export(tiny_export):
     assert not [t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT16]
     assert json.loads((b / "snapspec.json").read_text())["export"]["embedding_dtype"] == "float32"
     ids = list(range(5, 40))
-    np.testing.assert_array_equal(Context(load(a)).forward(ids).logits, Context(load(b)).forward(ids).logits)
+    ma, mb = load(a), load(b)
+    np.testing.assert_array_equal(Policy(ma).open(ma, 64).forward(ids).logits, Policy(mb).open(mb, 64).forward(ids).logits)
 
 
 # -- the server and the command line, without a browser ------------------------------------------------------------

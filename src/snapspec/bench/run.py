@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
-
 from snapspec import SnapspecError
 from snapspec.runtime import Generator, Pair
 

@@ -120,6 +120,10 @@ class PromptCache:
         return self.pair.tctx
 
     @property
+    def dctx(self) -> Context | None:
+        return self.pair.dctx
+
+    @property
     def drafter(self) -> Drafter | None:
         return self.pair.drafter
 

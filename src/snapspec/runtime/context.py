@@ -47,7 +47,7 @@ class Rows:
 
 
 class Context:
-    def __init__(self, model: Model, max_len: int, *, mode: str, window: int, poison: bool = False,
+    def __init__(self, model, max_len: int, *, mode: str, window: int, poison: bool = False,
                  graph_tokens: int | None = None, spare_row: bool = True):
         """Opened by the rollback policy (policy.Policy.open), which decides every argument but the last three.
         mode: replay | ring | window for the recurrent state (ignored by pure-attention models); window: W, the

@@ -87,9 +87,11 @@ class Policy:
         return Policy(self.target, self.drafter, rollback=rollback, window=self.window)
 
     # -- stores -----------------------------------------------------------------------------------------------------
-    def open(self, model, length: int, side: str, *, store: str | None = None, **options) -> Context:
-        """A Context over `model` for one side of the pair (target or drafter), with the store that side keeps and
-        the policy's window; store: force one (the conformance checks of each store)."""
+    def open(self, model, length: int, side: str | None = None, *, store: str | None = None, **options) -> Context:
+        """A Context over `model` for one side of the pair (target or drafter; default: the role it was loaded for),
+        with the store that side keeps and the policy's window; store: force one (the conformance checks of each
+        store)."""
+        side = side or model.role
         if side not in ("target", "drafter"):
             raise SnapspecError(f"side must be target or drafter, got {side!r}")
         return Context(model, length, mode=store or store_for(model, side), window=self.window, **options)

@@ -6,8 +6,8 @@ a multimodal checkpoint's processor keeps). It is data, never code: it renders i
 ImmutableSandboxedEnvironment, set up as transformers' `apply_chat_template` sets up its own (trim_blocks,
 lstrip_blocks, loop controls; `raise_exception`, `strftime_now`, `namespace`, `dict`, a `tojson` that does not escape
 HTML) and given the same variables (the tokenizer config's special tokens: `bos_token`, `eos_token`, ...), so the same
-messages give the same token ids; tests/test_chat_template.py holds that against transformers. The rendered text is
-tokenized without the tokenizer's post-processor: a BOS comes from the template (`{{ bos_token }}`), as in
+messages give the same token ids; tests/runtime/test_chat_template.py holds that against transformers. The rendered
+text is tokenized without the tokenizer's post-processor: a BOS comes from the template (`{{ bos_token }}`), as in
 transformers.
 
 Plain text (no template) gets BOS / EOS as the tokenizer says: what tokenizer.json's post-processor adds (LFM2's adds

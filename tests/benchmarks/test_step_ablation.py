@@ -4,14 +4,15 @@ every other node and running as the model's own step does."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from paths import REPO
+
+BENCH = REPO / "benchmarks"
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ refused for chat in one line and served for text; and runtime/generation.py no l
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import subprocess
 import sys
@@ -12,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from import_graph import graph, reachable
 from snapspec.manifest import Manifest
 from snapspec.runtime import ChatSession, generate, load
 from snapspec.runtime.prompt import FrontDoor, NoChatTemplate
 
 SNAPSPEC = str(Path(sys.executable).parent / "snapspec")
-RUNTIME = Path(__file__).resolve().parents[2] / "src" / "snapspec" / "runtime"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "for i in range(3):"}]
 
 
@@ -73,31 +72,13 @@ def test_a_base_model_is_refused_for_chat_and_served_for_text(tiny_export):
     assert "no chat template" in errors[0] and "--no-chat-template" in errors[0]
 
 
-def _imports(module: str) -> set[str]:
-    """The snapspec.runtime modules a runtime module imports, at its top or inside functions."""
-    tree = ast.parse((RUNTIME / f"{module}.py").read_text(encoding="utf-8"))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == 1:
-                found.update(a.name for a in node.names)
-            elif (node.module or "").startswith("snapspec.runtime."):
-                found.add(node.module.split(".")[2])
-    return {m for m in found if (RUNTIME / f"{m}.py").exists()}
-
-
-def _reachable(start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        for m in _imports(todo.pop()) - seen:
-            seen.add(m)
-            todo.append(m)
-    return seen
-
-
 def test_no_import_circle_between_chat_and_generation():
-    assert "generation" in _reachable("chat")
-    assert "chat" not in _reachable("generation") and "chat" not in _reachable("prompt")
-    assert "generation" not in _reachable("prompt")
+    """Not even through an import inside a function: generation and the front door never reach the chat module."""
+    imports = graph(lazy=True)
+
+    def reaches(a: str, b: str) -> bool:
+        return f"snapspec.runtime.{b}" in reachable(imports, f"snapspec.runtime.{a}")
+
+    assert reaches("chat", "generation")
+    assert not reaches("generation", "chat") and not reaches("prompt", "chat")
+    assert not reaches("prompt", "generation")
