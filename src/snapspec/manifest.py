@@ -29,8 +29,10 @@ SELF_KEY = "manifest_sha256"
 
 
 class IntegrityError(SnapspecError):
-    """The folder is damaged: a listed file is missing, has the wrong size or the wrong sha256, or the manifest
-    itself was altered. `snapspec info` and `snapspec verify` report it and exit 1."""
+    """The folder is damaged: a listed file is missing, unreadable, has the wrong size or the wrong sha256, or the
+    manifest itself is unreadable, of the wrong shape or altered. `snapspec info` and `snapspec verify` report it and
+    exit 1. Not damage (a plain SnapspecError, exit 2): a folder without a manifest (not an export), a manifest of
+    another format version, and a listed file or external data outside the folder (refused, not repaired)."""
 
 
 def sha256_file(path: Path) -> str:
@@ -124,12 +126,13 @@ def load(folder: Path | str, verify: bool = True, full: bool = False) -> Manifes
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise IntegrityError(f"corrupt manifest {path}: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise SnapspecError(f"{path} has format {data.get('format') if isinstance(data, dict) else None!r}, "
-                            f"this snapspec reads {FORMAT!r}")
+    if not isinstance(data, dict) or not isinstance(data.get("format"), str):
+        raise IntegrityError(f"corrupt manifest {path}: not a snapspec manifest (no format)")
+    if data["format"] != FORMAT:
+        raise SnapspecError(f"{path} has format {data['format']!r}, this snapspec reads {FORMAT!r}")
     for key in ("model", "graphs", "state", "rollback", "rollback_data", "tokens", "files"):
         if key not in data:
-            raise SnapspecError(f"manifest {path} lacks the {key!r} section")
+            raise IntegrityError(f"manifest {path} lacks the {key!r} section")
     if (verify or full) and data.get(SELF_KEY) != _self_digest(data):
         raise IntegrityError(f"checksum mismatch for {path}: the manifest was edited after export or was written by "
                              "an older snapspec (re-export the model)")
@@ -139,9 +142,9 @@ def load(folder: Path | str, verify: bool = True, full: bool = False) -> Manifes
         if verify or full:
             _check_contents(m, full)
     except (AttributeError, KeyError, TypeError, ValueError) as exc:  # a hand-made manifest of the wrong shape
-        raise SnapspecError(f"malformed manifest {path}: {type(exc).__name__}: {exc}") from None
+        raise IntegrityError(f"malformed manifest {path}: {type(exc).__name__}: {exc}") from None
     except OSError as exc:
-        raise SnapspecError(f"cannot read a file that {path} lists: {exc}") from None
+        raise IntegrityError(f"cannot read a file that {path} lists: {exc}") from None
     return m
 
 
@@ -214,7 +217,7 @@ def external_data_locations(path: Path) -> set[str]:
         _scan(buf, "model", found)
         return found
     except (IndexError, ValueError, UnicodeDecodeError):
-        raise SnapspecError(f"{path} is not a readable ONNX graph (truncated or corrupt)") from None
+        raise IntegrityError(f"{path} is not a readable ONNX graph (truncated or corrupt)") from None
 
 
 def _scan(buf: memoryview, kind: str, found: set[str]) -> None:

@@ -155,3 +155,44 @@ def test_force_replaces_an_export_that_holds_a_stamp(folder, tiny_model):
     export(tiny_model("lfm2"), folder, force=True, log=None)
     assert manifest.load(folder).model["model_type"] == "lfm2" and manifest.load(folder).hashed == []
     assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [stamp.FILENAME]
+
+
+def _damage(folder: Path, how: str) -> None:
+    path = folder / manifest.FILENAME
+    if how == "truncated":
+        os.truncate(folder / WEIGHTS, 100)
+    elif how == "missing":
+        (folder / "tokenizer.json").unlink()
+    elif how == "a-folder":
+        (folder / "tokenizer.json").unlink()
+        (folder / "tokenizer.json").mkdir()
+    elif how == "not-json":
+        path.write_text("{bad")
+    elif how == "not-a-manifest":
+        path.write_text("[]")
+    elif how == "no-files":
+        data = json.loads(path.read_text())
+        data.pop("files")
+        path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("how", ["truncated", "missing", "a-folder", "not-json", "not-a-manifest", "no-files"])
+def test_damage_exits_1_and_is_said_once(capsys, folder, how):
+    """Every kind of damage, to a file or to the manifest: info and verify exit 1, as docs/cli.md says, and the
+    problem is said once (the error line; info's report says DAMAGED without repeating it)."""
+    _damage(folder, how)
+    for argv in (["info", folder], ["verify", folder], ["info", folder, "--verify"]):
+        rc = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        lines = [line for line in err.splitlines() if line.startswith("snapspec: error:")]
+        assert rc == 1 and len(lines) == 1 and "Traceback" not in err, (argv, rc, err)
+        problem = lines[0].removeprefix("snapspec: error: ")
+        assert problem[:30] not in out, out
+
+
+def test_not_an_export_is_a_usage_error(capsys, folder):
+    """No manifest at all: not an exported folder (a wrong path), exit 2 as for any bad argument."""
+    (folder / manifest.FILENAME).unlink()
+    for argv in (["info", folder], ["verify", folder]):
+        rc, lines = _cli(capsys, *argv)
+        assert rc == 2 and len(lines) == 1 and "not a snapspec exported folder" in lines[0]

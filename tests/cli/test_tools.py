@@ -136,7 +136,22 @@ def test_info(tiny_export, capsys):
     assert info["graph_io"]["outputs"]["rollback data"] == 1
     assert info["vocab_size"] == m.vocab_size
     assert main(["info", str(folder)]) == 0
-    assert "state per layer kind" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "state per layer kind" in out and "MTP weights in checkpoint: no" in out and "False" not in out
+
+
+def test_info_context_above_the_export(tiny_export, capsys):
+    """--context above the export's max_context: memory shown at max_context, with a note naming the export flag,
+    never a KV size for a context the model cannot use."""
+    folder = tiny_export("qwen3_5_text")
+    limit = load(folder).manifest.max_context
+    assert main(["info", str(folder), "--context", "100000", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert memory["ctx"] == limit and memory["ctx_asked"] == 100000
+    assert main(["info", str(folder), "--context", "100000"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"memory is shown at the export's max_context, {limit} tokens" in out and "--max-context" in out
+    assert f"at ctx {limit}," in out and "ctx 100000" not in out
 
 
 def test_demo_runs_offline(tmp_path, monkeypatch, capsys):

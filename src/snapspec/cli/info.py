@@ -1,5 +1,8 @@
 """`snapspec info`: what an exported folder holds, read from its manifest alone (no session is created for the
-folder; an int4 export's exactness probe runs one tiny MatMulNBits graph on this CPU)."""
+folder; an int4 export's exactness probe runs one tiny MatMulNBits graph on this CPU).
+
+Memory is estimated for a context the model can use: a --context above the export's max_context is shown at
+max_context, with a note naming `snapspec export --max-context` (the flag that raises the limit)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ def _elems(shape: list, ctx: int) -> int:
 def describe(folder, ctx: int = 4096, window: int | None = None) -> dict:
     m = manifest.load(folder, verify=False)
     window = window or m.rollback["window"]
+    asked, ctx = ctx, min(ctx, m.max_context)  # no estimate for a context the model cannot use (module doc)
     per_kind: dict[str, dict] = {}
     for s in m.state:
         kind = per_kind.setdefault(s["role"], {"layers": 0, "bytes_per_layer": 0, "shape": s["shape"],
@@ -42,7 +46,7 @@ def describe(folder, ctx: int = 4096, window: int | None = None) -> dict:
         "rollback": m.rollback, "mtp_weights_present": m.model.get("mtp_weights_present"),
         "graph_io": {k: {r: len(v) for r, v in d.items()} for k, d in roles.items()},
         "state": per_kind,
-        "memory": {"ctx": ctx, "window": window, "kv_bytes": kv, "recurrent_bytes_per_slot": rec,
+        "memory": {"ctx": ctx, "ctx_asked": asked, "window": window, "kv_bytes": kv, "recurrent_bytes_per_slot": rec,
                    "target_bytes (replay: 2 slots)": kv + 2 * rec,
                    "drafter_bytes (ring: window+1 slots)": kv + (window + 1) * rec},
         "files": {k: v["bytes"] for k, v in m.data["files"].items()},
@@ -75,6 +79,10 @@ def _probe_here(e: dict) -> dict | None:
     return {**verdict.as_dict(), "runs_at_level": runs, "summary": verdict.describe()}
 
 
+def _yes_no(flag) -> str:
+    return {True: "yes", False: "no"}.get(flag, "not recorded")  # None: an export from before the field
+
+
 def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -97,12 +105,13 @@ def render(info: dict) -> str:
                 f"window {info['rollback']['window']}"
               + (f" (state-window graph for CUDA, W = {info['rollback']['state_window']})"
                  if info["rollback"].get("state_window") else "")
-              + f"; MTP weights in checkpoint: {info['mtp_weights_present']}")
+              + f"; MTP weights in checkpoint: {_yes_no(info['mtp_weights_present'])}")
     t = Table(title="state per layer kind")
     for col in ("role", "layers", "shape", "dtype", f"bytes/layer (ctx {info['memory']['ctx']})"):
         t.add_column(col)
     for role, s in info["state"].items():
-        t.add_row(role, str(s["layers"]), str(s["shape"]), s["dtype"], _mb(s["bytes_per_layer"]))
+        t.add_row(role, str(s["layers"]), f"[{', '.join(map(str, s['shape']))}]", s["dtype"],
+                  _mb(s["bytes_per_layer"]))
     con.print(t)
     io = Table(title="forward graph inputs and outputs by role")
     io.add_column("side")
@@ -113,6 +122,9 @@ def render(info: dict) -> str:
             io.add_row(side, role, str(n))
     con.print(io)
     mem = info["memory"]
+    if mem["ctx_asked"] > mem["ctx"]:
+        con.print(f"note: memory is shown at the export's max_context, {mem['ctx']} tokens: the model cannot use "
+                  f"the {mem['ctx_asked']} asked for (snapspec export --max-context sets the limit)")
     con.print(f"one context at ctx {mem['ctx']}, window {mem['window']}: KV {_mb(mem['kv_bytes'])}, recurrent "
               f"{_mb(mem['recurrent_bytes_per_slot'])} per slot; as target (replay) "
               f"{_mb(mem['target_bytes (replay: 2 slots)'])}, as drafter (ring) "
@@ -140,6 +152,6 @@ def render(info: dict) -> str:
                f"{hashed} of {n} files hashed (new or changed since the last check), the stamp vouched for the rest"
                if hashed else f"the stamp vouched for all {n} files (--verify hashes them)")
         con.print(f"integrity ({check['check']}): ok, {how}")
-    elif check:
-        con.print(f"integrity ({check['check']}): [bold red]DAMAGED[/]: {check['problem']}")
+    elif check:  # the problem itself is the one error line the command prints
+        con.print(f"integrity ({check['check']}): [bold red]DAMAGED[/] (the error below says how)")
     return buf.getvalue().rstrip()
