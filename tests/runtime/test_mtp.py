@@ -262,8 +262,27 @@ class Recording(MtpDrafter):
 
     def propose(self, seq, k):
         draft = super().propose(seq, k)
-        self.rounds.append((list(seq), list(draft.tokens)))
+        if k:  # k = 0 (no room left) asks for nothing
+            self.rounds.append((list(seq), list(draft.tokens)))
         return draft
+
+
+def fresh_head_drafts(t, seq, n) -> list[int]:
+    """The n greedy drafts after seq of a fresh head fed every pair (t_{p+1}, h_p) of seq, h from one target forward
+    over it (the reference for a head that the runtime fed incrementally)."""
+    from snapspec.runtime import Policy
+    from snapspec.runtime.drafters.mtp_head import OnnxHead
+
+    ctx = Policy(t).open(t, len(seq) + 1, "target")
+    ctx.hidden = True
+    h = ctx.forward(seq[:-1], logits=False).hidden
+    head = OnnxHead(t, len(seq) + n + 1)
+    rows = head.forward(seq[1:], h)
+    want = [int(rows.ids[-1])]
+    for _ in range(n - 1):
+        rows = head.forward([want[-1]], rows.hidden[-1:])
+        want.append(int(rows.ids[-1]))
+    return want
 
 
 @pytest.mark.parametrize("arch,init", [(a, None) for a in ARCHS] + [("qwen3_5_text", 0.05)])
@@ -313,24 +332,14 @@ def test_greedy_mtp_fp16_and_int4(headed, dtype, quant):
 def test_drafts_equal_the_head_over_the_whole_history(headed):
     """Each round's drafts equal those of a fresh head fed every pair (t_{p+1}, h_p) of the sequence, h from one
     target forward over it: the hidden rows reach the head at the right positions, across rounds and rollbacks."""
-    from snapspec.runtime import Generator, Policy
-    from snapspec.runtime.drafters.mtp_head import OnnxHead
+    from snapspec.runtime import Generator
 
     t = headed("qwen3_5_text")
     drafter = Recording(t)
     Generator(t, t.encode(PROMPT), drafter=drafter, max_new_tokens=16, draft_max=3, stop_at_eos=False).run()
     assert len(drafter.rounds) >= 4
     for seq, draft in drafter.rounds[:4]:
-        ctx = Policy(t).open(t, len(seq) + 1, "target")
-        ctx.hidden = True
-        h = ctx.forward(seq[:-1], logits=False).hidden
-        head = OnnxHead(t, len(seq) + 4)
-        rows = head.forward(seq[1:], h)
-        want = [int(rows.ids[-1])]
-        for _ in range(len(draft) - 1):
-            rows = head.forward([want[-1]], rows.hidden[-1:])
-            want.append(int(rows.ids[-1]))
-        assert draft == want, (len(seq), draft, want)
+        assert draft == fresh_head_drafts(t, seq, len(draft)), len(seq)
 
 
 def test_sampled_mtp_generation_is_seeded(headed):
@@ -360,6 +369,27 @@ def test_chat_session_keeps_the_head(headed):
         b = "".join(mtp.reply(text, max_new_tokens=12, stop_at_eos=False, draft_max=3))
         assert a == b
     assert mtp.drafter.head.n_past > 12
+
+
+def test_chat_session_head_sees_every_prompt_row(headed, caplog):
+    """In a chat session the cache prefills the conversation up to its mark before the generation prefills the rest:
+    the head gets the target's hidden rows of both parts (no "did not see" warning on any turn), so its drafts equal
+    a fresh head's over the whole history, on the first turn and after."""
+    import logging
+
+    from snapspec.runtime import ChatSession
+
+    t = headed("qwen3_5_text")
+    drafter = Recording(t)
+    session = ChatSession(t, drafter, raw=True)
+    with caplog.at_level(logging.WARNING, logger="snapspec"):
+        for text in ("def forward(self, x):", "    return x"):
+            drafter.rounds.clear()
+            "".join(session.reply(text, max_new_tokens=10, stop_at_eos=False, draft_max=3))
+            assert session.last.stats.prompt_prefilled > 1 and drafter.rounds
+            for seq, draft in drafter.rounds[:2]:
+                assert draft == fresh_head_drafts(t, seq, len(draft)), len(seq)
+    assert "did not see" not in caplog.text
 
 
 def test_cli_generate_bench_conformance_with_mtp(headed, tmp_path, capsys):

@@ -41,12 +41,26 @@ def mtp_vocab_arg(value: str) -> int | str:
 
 
 def positive_int(value: str) -> int:
+    """An integer >= 0, for flags where 0 means something (off, onnxruntime's choice, the default); at_least_one for
+    the others."""
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return n
+
+
+def at_least_one(value: str) -> int:
+    """An integer >= 1, for flags where 0 would be refused later or make the command useless (--max-new-tokens,
+    serve's --max-queue)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return n
 
 
@@ -113,7 +127,7 @@ def add_runtime_flags(p: argparse.ArgumentParser) -> None:
 def add_generation_flags(p: argparse.ArgumentParser,
                          context_default: str = "prompt + max-new-tokens + rollback window") -> None:
     """Flags of commands that generate text: length, drafting, sampling, stops, context."""
-    p.add_argument("--max-new-tokens", type=positive_int, default=MAX_NEW_TOKENS,
+    p.add_argument("--max-new-tokens", type=at_least_one, default=MAX_NEW_TOKENS,
                    help=f"most tokens to generate (default {MAX_NEW_TOKENS}, as in every command that generates; "
                         "never more than fit the context)")
     p.add_argument("--draft-max", type=draft_max, default=4,
@@ -126,7 +140,7 @@ def add_generation_flags(p: argparse.ArgumentParser,
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     p.add_argument("--context", type=positive_int, default=None,
                    help=f"context length to allocate, in tokens (default: {context_default})")
-    p.add_argument("--prefill-chunk", type=positive_int, default=None,
+    p.add_argument("--prefill-chunk", type=at_least_one, default=None,
                    help="prompt tokens per prefill forward (default 512; bounds prefill memory)")
 
 
@@ -231,19 +245,21 @@ def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, rep
                         "from earlier in the sequence, no drafter model; `mtp`: the target's own MTP head (an export "
                         "of a checkpoint with mtp.* weights; a folder named ngram or mtp: ./ngram, ./mtp)"
                         + ("; repeat to compare several in one run" if repeat else ""))
-    p.add_argument("--ngram-min", type=positive_int, default=None,
+    p.add_argument("--ngram-min", type=at_least_one, default=None,
                    help=f"--drafter ngram: shortest suffix looked up, in tokens (default {DEFAULT_MIN})")
-    p.add_argument("--ngram-max", type=positive_int, default=None,
+    p.add_argument("--ngram-max", type=at_least_one, default=None,
                    help=f"--drafter ngram: longest suffix looked up, tried first (default {DEFAULT_MAX})")
 
 
 def drafter_label(drafter) -> str:
     """A drafter's name in reports: its folder, ngram with its sizes, or mtp."""
-    from snapspec.runtime.drafters import MtpDrafter, NgramDrafter
+    from snapspec.runtime.drafters import Drafter, MtpDrafter, NgramDrafter
     if isinstance(drafter, NgramDrafter):
         return f"ngram {drafter.index.n_min}-{drafter.index.n_max}"
     if isinstance(drafter, MtpDrafter):
         return MTP
+    if isinstance(drafter, Drafter):  # a drafter model as a Pair runs it (ModelDrafter)
+        return drafter.extras.context.model.folder.name
     return drafter.folder.name
 
 

@@ -29,7 +29,7 @@ from snapspec.serve import lifecycle
 
 from . import openai_api as api
 from . import openai_tools
-from .options import add_drafter_flags, add_generation_flags, drafter_label, generation_kwargs, positive_int
+from .options import add_drafter_flags, add_generation_flags, at_least_one, drafter_label, generation_kwargs
 
 SCHEDULING = "one request at a time per model, first come first served, from a queue"
 _DONE = object()
@@ -46,7 +46,7 @@ def add_parser(sub, runtime_flags):
                    help="chat requests join their messages' text instead of rendering the chat template")
     # the defaults for requests that leave a setting out
     add_generation_flags(p, context_default="the export's max_context")
-    lifecycle.add_flags(p, positive_int)  # --api-key, --max-queue, --max-tokens-cap, --max-body-bytes, --drain-timeout
+    lifecycle.add_flags(p, at_least_one)  # --api-key, --max-queue, --max-tokens-cap, --max-body-bytes, --drain-timeout
     runtime_flags(p)
 
 
@@ -76,16 +76,15 @@ class Worker(lifecycle.Admission):
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
                  max_tokens_cap: int | None = None, max_queue: int | None = None):
         from snapspec.runtime.chat import PromptCache
-        from snapspec.runtime.prompt import FrontDoor
 
-        self.cache = PromptCache(target, drafter, context, rollback=defaults.get("rollback") or "auto")
+        self.cache = PromptCache(target, drafter, context, rollback=defaults.get("rollback") or "auto", plain=raw)
         drafter = self.cache.drafter  # one draft source serves every request, in queue order
         self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
         self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
         self.closing = False  # draining: submit refuses (lifecycle.Drain)
         self.jobs: set[Job] = set()  # admitted and not yet finished
         self.metrics = None  # serve.metrics.Metrics, set by build_app
-        self.door = FrontDoor(target, plain=raw)  # a base model: completions only, chat requests get a 400
+        self.door = self.cache.door  # a base model: completions only, chat requests get a 400
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapspec-{model_id}")
         self.tool_format = openai_tools.prepare(self)  # the template's tool-call format; the grammar tokenizer
         self.counts = {"waiting": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}

@@ -107,9 +107,11 @@ class PromptCache:
     """A Pair whose contexts live across generations, each context with a mark (module doc)."""
 
     def __init__(self, target: Model, drafter=None, context: int | None = None, window: int | None = None,
-                 rollback: str = "auto"):
+                 rollback: str = "auto", *, plain: bool = False):
         """drafter: anything pair.make_drafter takes; context: tokens the conversations may reach (default: the
-        exports' max_context; more is an error)."""
+        exports' max_context; more is an error); plain: the front door joins messages as plain text
+        (--no-chat-template)."""
+        self.door = FrontDoor(target, plain=plain)  # the conversations' prompts, with their stops
         self.pair = Pair(target, drafter, length=check_context(target, drafter, context), window=window,
                          rollback=rollback)
         self.marks = [_Mark(c) for c in self.pair.contexts]
@@ -200,13 +202,12 @@ class ChatSession:
         context: tokens the conversation may reach (default: the exports' max_context); generation: Generator
         arguments for every turn (max_new_tokens, sampling, draft_max, stop_strings, stop_at_eos, rollback, ...)."""
         self.target, self.raw = target, raw
-        self.door = FrontDoor(target, plain=raw)
-        self.door.require_chat()  # a base model: the one-line error naming the alternatives
         self.template_kwargs = dict(template_kwargs or {})
         self.generation = generation
         self.cache = PromptCache(target, drafter, context, generation.get("window"),
-                                 generation.get("rollback") or "auto")
-        self.drafter = self.cache.drafter
+                                 generation.get("rollback") or "auto", plain=raw)
+        self.door, self.drafter = self.cache.door, self.cache.drafter
+        self.door.require_chat()  # a base model: the one-line error naming the alternatives
         self.system = system
         self.messages: list[dict] = []
         self.totals = SessionStats()
