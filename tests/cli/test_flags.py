@@ -55,3 +55,42 @@ def test_draft_max_over_the_window_is_capped_naming_what_was_typed(tiny_export, 
     assert "draft length 14" not in err and "checkpoint x" not in err
     assert max(int(k) for k in out["stats"]["draft_lengths"]) <= 8
     assert "checkpoint" not in out["stats"]["rollbacks"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--target", "T", "--prompt", "x", "--max-new-tokens"],
+    ["generate", "--target", "T", "--prompt", "x", "--prefill-chunk"],
+    ["generate", "--target", "T", "--prompt", "x", "--drafter", "ngram", "--ngram-min"],
+    ["chat", "--target", "T", "--max-new-tokens"],
+    ["serve", "--target", "T", "--max-queue"],
+    ["serve", "--target", "T", "--max-tokens-cap"],
+    ["serve", "--target", "T", "--max-body-bytes"],
+    ["conformance", "--target", "T", "--max-new-tokens"],
+], ids=lambda argv: f"{argv[0]} {argv[-1]}")
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_counts_that_must_be_at_least_one(capsys, argv, value):
+    """A flag where 0 is refused later (or, for serve's limits, would refuse every request) says >= 1 at once, for 0
+    and for a negative number alike: one line, exit 2, before any folder is read."""
+    assert main(argv + [value]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"expected an integer >= 1, got {value}" in err, err
+    assert argv[-1] in err and "non-negative" not in err
+
+
+def test_zero_still_means_off_where_it_does():
+    args = _parse("generate", "--target", "T", "--prompt", "x", "--top-k", "0", "--threads", "0", "--seed", "0")
+    assert args["top_k"] == 0 and args["threads"] == 0 and args["seed"] == 0
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_context_above_the_export_names_its_flag(tiny_export, capsys, command):
+    """--context above the export's max_context: one line naming both numbers and the export flag that sets the
+    limit (not a silent cap)."""
+    from snapspec.runtime import load
+    folder = tiny_export("qwen3_5_text")
+    limit = load(folder).manifest.max_context
+    extra = {"generate": ["--prompt", "x"], "chat": ["--no-chat-template"], "serve": ["--port", "0"]}[command]
+    assert main([command, "--target", str(folder), "--context", str(limit + 1), "--threads", "1", *extra]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("snapspec: error:")]
+    assert len(lines) == 1 and f"context {limit + 1}" in lines[0] and str(limit) in lines[0], lines
+    assert "snapspec export --max-context" in lines[0]

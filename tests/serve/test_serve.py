@@ -229,6 +229,16 @@ def test_ngram_drafting_equals_plain_greedy(chat_export, tmp_path, target):
         assert "drafter ngram 1-3" in srv["log"].read_text()
 
 
+def test_the_developer_role_is_system(server, client, target):
+    """OpenAI's `developer` role (its name for system since o1) is served as system: the same prompt, the same
+    reply."""
+    ask = [{"role": "user", "content": "The quick brown fox?"}]
+    want = generate(target, [{"role": "system", "content": "Be brief."}] + ask, max_new_tokens=8)
+    r = client.chat.completions.create(model=server["model"], messages=[{"role": "developer", "content": "Be brief."}]
+                                       + ask, max_tokens=8, temperature=0)
+    assert r.usage.prompt_tokens == len(want.prompt) and r.choices[0].message.content == final_text(want)
+
+
 def test_roles_null_content_and_max_tokens_past_the_context(server, client, target):
     """An unknown role and a null content are 400s about the messages; a max_tokens past the context is a 400 that
     names the context and what fits after the prompt (as OpenAI answers); the most that fits is served."""

@@ -25,7 +25,7 @@ _NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.
             "logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,)}
 
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: OpenAI's name for system since o1
 
 
 @dataclass
@@ -138,7 +138,8 @@ def _messages(value) -> list:
             content = "".join(p.get("text", "") for p in content)
         elif not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({**m, "content": content})
+        role = "system" if m["role"] == "developer" else m["role"]  # as OpenAI treats it; templates know system
+        out.append({**m, "role": role, "content": content})
     return out
 
 

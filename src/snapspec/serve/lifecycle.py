@@ -29,17 +29,19 @@ HEADER_SECONDS = 10.0
 RETRY_AFTER_FULL = 1  # seconds: one request's time is a fair first guess
 
 
-def add_flags(p, positive_int) -> None:
+def add_flags(p, count) -> None:
+    """count: the argparse type of a number >= 1 (options.at_least_one): a queue of 0, a cap of 0 new tokens or a
+    body limit of 0 bytes would refuse every request, so 0 is refused at startup."""
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /openapi.json "
                         "(default: $SNAPSPEC_API_KEY; unset: no key)")
-    p.add_argument("--max-queue", type=positive_int, default=None, metavar="N",
+    p.add_argument("--max-queue", type=count, default=None, metavar="N",
                    help="most requests admitted at once, the one generating included; the next gets 503 with "
                         "Retry-After (default: no limit)")
-    p.add_argument("--max-tokens-cap", "--max-tokens-limit", dest="max_tokens_cap", type=positive_int, default=None,
+    p.add_argument("--max-tokens-cap", "--max-tokens-limit", dest="max_tokens_cap", type=count, default=None,
                    metavar="N", help="most new tokens one request may ask for; a larger max_tokens gets a 400 "
                                      "naming this limit (default: what fits the context after the prompt)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, metavar="N",
+    p.add_argument("--max-body-bytes", type=count, default=4 << 20, metavar="N",
                    help="largest request body; a larger one gets 413 (default 4 MiB)")
     p.add_argument("--drain-timeout", type=_seconds, default=30.0, metavar="S",
                    help="on SIGTERM, seconds to let admitted requests finish before stopping them cleanly "
