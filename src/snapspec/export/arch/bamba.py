@@ -16,7 +16,8 @@ from snapspec import SnapspecError
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import Mamba2Spec, check_silu, lm_head, mamba2_layer_types, mamba2_mixer, residual_stack, time_step_limit
+from .common import (Mamba2Spec, attention, check_silu, embed_tokens, lm_head, mamba2_layer_types, mamba2_mixer,
+                    residual_stack, swiglu_mlp, time_step_limit)
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("bamba",)
@@ -67,34 +68,20 @@ def ignored(s: Spec) -> tuple[str, ...]:
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D, hd = s.hidden, s.head_dim
-    g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    D = s.hidden
+    h = embed_tokens(dec, w, s)
     rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
 
     def mixer(x: str, i: int) -> str:
         p = f"layers.{i}."
-        if s.layer_types[i] != "full_attention":
-            with g.scope("mamba"):
-                return mamba2_mixer(dec, w, p + "mamba.", s, x, i)
-        a = p + "self_attn."
-        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-        biases = {}
-        if s.attention_bias:
-            biases = {"q_bias": w.get(a + "q_proj.bias", (q_rows,)), "k_bias": w.get(a + "k_proj.bias", (kv_rows,)),
-                      "v_bias": w.get(a + "v_proj.bias", (kv_rows,)), "o_bias": w.get(a + "o_proj.bias", (D,))}
-        with g.scope("self_attn"):
-            return dec.attention(
-                x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-                heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=rotary, **biases)
+        if s.layer_types[i] == "full_attention":
+            return attention(dec, w, p + "self_attn.", s, x, i, rotary=rotary,
+                             biases="qkvo" if s.attention_bias else "")
+        with dec.fwd.scope("mamba"):
+            return mamba2_mixer(dec, w, p + "mamba.", s, x, i)
 
     def ffn(x: str, i: int) -> str:
-        p = f"layers.{i}.feed_forward."
-        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                          w.get(p + "up_proj.weight", (s.intermediate, D)),
-                          w.get(p + "down_proj.weight", (D, s.intermediate)), leaf="feed_forward")
+        return swiglu_mlp(dec, w, f"layers.{i}.feed_forward.", s, x, leaf="feed_forward")
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.input_layernorm.weight", (D,)),
                        lambda i: w.get(f"layers.{i}.pre_ff_layernorm.weight", (D,)), mixer, ffn,

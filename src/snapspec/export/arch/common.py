@@ -1,8 +1,11 @@
-"""The residual stack most architectures share (pre-norm mixer + pre-norm MLP, fused skip norms), and the Mamba2
-mixer of the Mamba2 hybrids."""
+"""What the architecture files share: the residual stack most of them use (pre-norm mixer + pre-norm MLP, fused
+skip norms), the layers that read the same tensor names in several families (attention with separate q, k, v and
+output projections, the SwiGLU MLP), the Qwen3.5 family's decoder (Qwen3.5, Qwen3.5 MoE, Qwen3-Next) and the Mamba2
+mixer of the Mamba2 hybrids. Each family's file keeps its config mapping and the tensors only it names."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -76,6 +79,97 @@ def residual_stack(dec: Decoder, h: str, n_layers: int, eps: float,
         else:
             x = dec.final_norm(y, h, final_norm, eps)
     return x
+
+
+def embed_tokens(dec: Decoder, w: Weights, s: DecoderSpec, name: str = "embed_tokens.weight") -> str:
+    """The graph's token inputs and the embedding lookup of table `name`: the hidden state the layers start from."""
+    dec.token_inputs()
+    return dec.embed(w.get(name, (s.vocab, s.hidden)))
+
+
+def attention(dec: Decoder, w: Weights, p: str, s: DecoderSpec, x: str, i: int, *, rotary=None, biases: str = "",
+              out: str = "o_proj", norms: tuple[str, str] | None = None, norm_all_heads: bool = False,
+              scope: str | None = "self_attn", **extra) -> str:
+    """Layer i's attention with separate q, k, v and output projections under prefix p (`layers.{i}.self_attn.`).
+
+    biases: the projections that carry a bias ("qkvo", "o" or ""). norms: the names of the q and k RMSNorm weights,
+    each head_dim wide, or heads * head_dim (kv_heads * head_dim) with norm_all_heads (OLMo-Hybrid). scope: the graph
+    scope to open (None: the caller's). extra goes to Decoder.attention as it is."""
+    D, hd = s.hidden, s.head_dim
+    rows = {"q": s.heads * hd, "k": s.kv_heads * hd, "v": s.kv_heads * hd, "o": D}
+    kw = {f"{n}_bias": w.get(p + f"{n}_proj.bias", (rows[n],)) for n in biases}
+    if norms:
+        widths = (rows["q"], rows["k"]) if norm_all_heads else (hd, hd)
+        kw.update(q_norm=w.get(p + norms[0] + ".weight", (widths[0],)),
+                  k_norm=w.get(p + norms[1] + ".weight", (widths[1],)))
+    with dec.fwd.scope(scope) if scope else nullcontext():
+        return dec.attention(
+            x, i, w.get(p + "q_proj.weight", (rows["q"], D)), w.get(p + "k_proj.weight", (rows["k"], D)),
+            w.get(p + "v_proj.weight", (rows["v"], D)), w.get(p + out + ".weight", (D, rows["q"])),
+            heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=rotary, **kw, **extra)
+
+
+def swiglu_mlp(dec: Decoder, w: Weights, p: str, s: DecoderSpec, x: str,
+               names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), leaf: str = "mlp") -> str:
+    """The SwiGLU MLP under prefix p (`layers.{i}.mlp.`), s.intermediate wide; names: its (gate, up, down)
+    projections; leaf: its graph scope."""
+    I, D = s.intermediate, s.hidden
+    gate, up, down = (w.get(p + n + ".weight", shape) for n, shape in zip(names, ((I, D), (I, D), (D, I))))
+    return dec.swiglu(x, gate, up, down, leaf)
+
+
+# -- The Qwen3.5 family (Qwen3.5, Qwen3.5 MoE, Qwen3-Next) ----------------------------------------------------------
+Projections = Callable[[str], tuple]  # linear_attn prefix -> its ([q | k | v], z, b, a) input projections
+
+
+def gated_attention(dec: Decoder, w: Weights, s: GatedDeltaNetSpec, x: str, i: int, rotary) -> str:
+    """Layer i's gated attention: q_proj interleaves query and output gate per head (split here), q/k norms 1 + w."""
+    a, D, hd = f"layers.{i}.self_attn.", s.hidden, s.head_dim
+    qg = w.get(a + "q_proj.weight", (2 * s.heads * hd, D)).reshape(s.heads, 2, hd, D)
+    with dec.fwd.scope("self_attn"):
+        return dec.attention(
+            x, i, qg[:, 0].reshape(-1, D), w.get(a + "k_proj.weight", (s.kv_heads * hd, D)),
+            w.get(a + "v_proj.weight", (s.kv_heads * hd, D)), w.get(a + "o_proj.weight", (D, s.heads * hd)),
+            heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
+            q_norm=1.0 + w.get(a + "q_norm.weight", (hd,)), k_norm=1.0 + w.get(a + "k_norm.weight", (hd,)),
+            gate_w=qg[:, 1].reshape(-1, D), rotary=rotary)
+
+
+def gdn_mixer(dec: Decoder, w: Weights, s: GatedDeltaNetSpec, rotary, projections: Projections
+              ) -> Callable[[str, int], str]:
+    """Layer i's token mixer: gated attention or Gated DeltaNet, whose input projections each family stores its
+    own way (projections); the conv, gates, norm and output projection are named alike."""
+    kd, vd, D = s.k_heads * s.k_dim, s.v_heads * s.v_dim, s.hidden
+
+    def run(x: str, i: int) -> str:
+        if s.layer_types[i] == "full_attention":
+            return gated_attention(dec, w, s, x, i, rotary)
+        a = f"layers.{i}.linear_attn."
+        qkv, z, b, a_w = projections(a)
+        with dec.fwd.scope("linear_attn"):
+            return dec.gated_deltanet(
+                x, i, qkv_w=qkv, z_w=z, b_w=b, a_w=a_w, conv_w=w.get(a + "conv1d.weight", (2 * kd + vd, 1, s.kernel)),
+                a_log=w.get(a + "A_log", (s.v_heads,)), dt_bias=w.get(a + "dt_bias", (s.v_heads,)),
+                norm_w=w.get(a + "norm.weight", (s.v_dim,)), out_w=w.get(a + "out_proj.weight", (D, vd)),
+                k_heads=s.k_heads, v_heads=s.v_heads, k_dim=s.k_dim, v_dim=s.v_dim, kernel=s.kernel, eps=s.eps)
+
+    return run
+
+
+def gdn_build(dec: Decoder, w: Weights, s: GatedDeltaNetSpec, max_context: int, projections: Projections,
+              ffn: Callable[[str, int], str]) -> None:
+    """The whole decoder: embedding, partial RoPE, the residual stack (norms 1 + w) of gdn_mixer and ffn, the head."""
+    D = s.hidden
+    h = embed_tokens(dec, w, s)
+    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
+
+    def norm(name: str) -> np.ndarray:
+        return 1.0 + w.get(name, (D,))
+
+    x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
+                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"),
+                       gdn_mixer(dec, w, s, rotary, projections), ffn, norm("norm.weight"))
+    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))
 
 
 def gdn_layer_types(config: dict) -> tuple[str, ...]:

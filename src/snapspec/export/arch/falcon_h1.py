@@ -19,7 +19,8 @@ import numpy as np
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import Mamba2Spec, check_silu, lm_head, mamba2_mixer, residual_stack, scaled, time_step_limit
+from .common import (Mamba2Spec, attention, check_silu, embed_tokens, lm_head, mamba2_mixer, residual_stack, scaled,
+                    time_step_limit)
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("falcon_h1",)
@@ -105,26 +106,16 @@ def _mlp(dec: Decoder, x: str, w: Weights, p: str, s: Spec) -> str:
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D, hd = s.hidden, s.head_dim
     g = dec.fwd
-    dec.token_inputs()
-    h = scaled(dec, dec.embed(w.get("embed_tokens.weight", (s.vocab, D))), s.embedding_multiplier,
+    h = scaled(dec, embed_tokens(dec, w, s), s.embedding_multiplier,
                "model/embedding_multiplier")
     rotary = dec.rotary_cache(hd, s.rope_theta, max_context)
     mup = mup_vector(s)
 
-    def attention(x: str, i: int) -> str:
-        a = f"layers.{i}.self_attn."
-        q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-        biases = {}
-        if s.attention_bias:
-            biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
-                          v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
+    def scaled_attention(x: str, i: int) -> str:
         with g.scope("self_attn"):
-            y = dec.attention(
-                scaled(dec, x, s.attention_in_multiplier, "attention_in_multiplier"), i,
-                w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-                heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=rotary,
-                k_scale=s.key_multiplier, **biases)
+            y = attention(dec, w, f"layers.{i}.self_attn.", s,
+                          scaled(dec, x, s.attention_in_multiplier, "attention_in_multiplier"), i, rotary=rotary,
+                          biases="qkvo" if s.attention_bias else "", scope=None, k_scale=s.key_multiplier)
             return scaled(dec, y, s.attention_out_multiplier, "attention_out_multiplier")
 
     def mixer(x: str, i: int) -> str:
@@ -132,7 +123,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
             x_in = scaled(dec, x, s.ssm_in_multiplier, "ssm_in_multiplier")
             ssm = mamba2_mixer(dec, w, f"layers.{i}.mamba.", s, x_in, i, in_scale=None if np.all(mup == 1.0) else mup)
             ssm = scaled(dec, ssm, s.ssm_out_multiplier, "ssm_out_multiplier")
-        return g.op("Add", [ssm, attention(x, i)], "mamba_plus_attention")
+        return g.op("Add", [ssm, scaled_attention(x, i)], "mamba_plus_attention")
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.input_layernorm.weight", (D,)),
                        lambda i: w.get(f"layers.{i}.pre_ff_layernorm.weight", (D,)), mixer,

@@ -19,8 +19,8 @@ import numpy as np
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import (Mamba2Spec, check_silu, lm_head, mamba2_layer_types, mamba2_mixer, residual_stack, scaled,
-                     time_step_limit)
+from .common import (Mamba2Spec, attention, check_silu, embed_tokens, lm_head, mamba2_layer_types, mamba2_mixer,
+                    residual_stack, scaled, time_step_limit)
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("granitemoehybrid",)
@@ -85,26 +85,15 @@ def _experts(w: Weights, p: str, s: Spec) -> tuple[np.ndarray, np.ndarray, np.nd
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D, hd, r = s.hidden, s.head_dim, s.residual_multiplier
     g = dec.fwd
-    dec.token_inputs()
-    h = scaled(dec, dec.embed(w.get("embed_tokens.weight", (s.vocab, D))), s.embedding_multiplier,
+    h = scaled(dec, embed_tokens(dec, w, s), s.embedding_multiplier,
                "model/embedding_multiplier")
     rotary = dec.rotary_cache(hd, s.rope_theta, max_context) if s.rope else None
 
     def mixer(x: str, i: int) -> str:
         p = f"layers.{i}."
         if s.layer_types[i] == "full_attention":
-            a = p + "self_attn."
-            q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-            biases = {}
-            if s.attention_bias:
-                biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
-                              v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
-            with g.scope("self_attn"):
-                y = dec.attention(
-                    x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                    w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=rotary,
-                    scale=s.attention_multiplier, **biases)
+            y = attention(dec, w, p + "self_attn.", s, x, i, rotary=rotary, biases="qkvo" if s.attention_bias else "",
+                          scale=s.attention_multiplier)
         else:
             with g.scope("mamba"):
                 y = mamba2_mixer(dec, w, p + "mamba.", s, x, i)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import check_silu, lm_head, residual_stack
+from .common import attention, check_silu, embed_tokens, lm_head, residual_stack, swiglu_mlp
 from .mamba import Mamba1Spec, mamba1_mixer
 from .qwen3_next import _experts
 
@@ -62,30 +62,21 @@ def ignored(s: Spec) -> tuple[str, ...]:
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D, hd = s.hidden, s.head_dim
+    D = s.hidden
     g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    h = embed_tokens(dec, w, s)
 
     def mixer(x: str, i: int) -> str:
         p = f"layers.{i}."
-        if s.layer_types[i] == "full_attention":
-            a = p + "self_attn."
-            q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-            with g.scope("self_attn"):
-                return dec.attention(
-                    x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                    w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, rotary=None)
+        if s.layer_types[i] == "full_attention":  # no position encoding
+            return attention(dec, w, p + "self_attn.", s, x, i)
         with g.scope("mamba"):
             return mamba1_mixer(dec, w, p + "mamba.", s, x, i)
 
     def ffn(x: str, i: int) -> str:
         p = f"layers.{i}.feed_forward."
         if not s.moe_layers[i]:
-            return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                              w.get(p + "up_proj.weight", (s.intermediate, D)),
-                              w.get(p + "down_proj.weight", (D, s.intermediate)), leaf="feed_forward")
+            return swiglu_mlp(dec, w, p, s, x, leaf="feed_forward")
         gate, up, down = _experts(w, p, s)
         with g.scope("feed_forward"):
             return dec.moe(x, router_w=w.get(p + "router.weight", (s.experts, D)), gate_w=gate, up_w=up,

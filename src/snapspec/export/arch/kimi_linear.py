@@ -31,7 +31,7 @@ from snapspec import SnapspecError
 from ..blocks import Decoder
 from ..blocks.mlp import row_stable_log
 from ..weights import Weights
-from .common import DecoderSpec, residual_stack
+from .common import DecoderSpec, embed_tokens, residual_stack
 from .nemotron_h import _route
 
 MODEL_TYPES = ("kimi_linear",)
@@ -201,8 +201,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int, names: Names = Na
           rotary_theta: float | None = None, gated_mla: bool = False) -> None:
     """rotary_theta: RoPE on MLA's rope part (Ling); None: none (Kimi-Linear). gated_mla: Ling's MLA output gate."""
     D = s.hidden
-    dec.token_inputs()
-    h = dec.embed(w.get(names.embed + ".weight", (s.vocab, D)))
+    h = embed_tokens(dec, w, s, names.embed + ".weight")
     rotary = dec.rotary_cache(s.rope, rotary_theta, max_context) if rotary_theta else None
 
     def mixer(x: str, i: int) -> str:

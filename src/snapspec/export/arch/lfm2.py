@@ -21,7 +21,7 @@ from snapspec import SnapspecError
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import DecoderSpec, lm_head, residual_stack
+from .common import DecoderSpec, attention, embed_tokens, lm_head, residual_stack, swiglu_mlp
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("lfm2",)
@@ -80,23 +80,14 @@ def ignored(s: Spec) -> tuple[str, ...]:
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int, ffn: Callable[[str, int], str] | None = None) -> None:
     """ffn(x, layer): the feed-forward of each layer (LFM2-MoE's experts); None: the dense SwiGLU."""
-    D, hd = s.hidden, s.head_dim
-    g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
-    rotary = dec.rotary_cache(hd, s.rope_theta, max_context)
+    D = s.hidden
+    h = embed_tokens(dec, w, s)
+    rotary = dec.rotary_cache(s.head_dim, s.rope_theta, max_context)
 
     def mixer(x: str, i: int) -> str:
         if s.layer_types[i] == "full_attention":
-            a = f"layers.{i}.self_attn."
-            q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-            with g.scope("self_attn"):
-                return dec.attention(
-                    x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                    w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "out_proj.weight", (D, q_rows)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
-                    q_norm=w.get(a + "q_layernorm.weight", (hd,)), k_norm=w.get(a + "k_layernorm.weight", (hd,)),
-                    rotary=rotary)
+            return attention(dec, w, f"layers.{i}.self_attn.", s, x, i, rotary=rotary, out="out_proj",
+                             norms=("q_layernorm", "k_layernorm"))
         return conv_layer(dec, w, s, x, i)
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.operator_norm.weight", (D,)),
@@ -119,7 +110,4 @@ def conv_layer(dec: Decoder, w: Weights, s, x: str, i: int) -> str:
 
 def dense_ffn(dec: Decoder, w: Weights, s: Spec, x: str, i: int) -> str:
     """The SwiGLU feed-forward (w1 gate, w3 up, w2 down) of layer i, s.intermediate wide."""
-    p = f"layers.{i}.feed_forward."
-    return dec.swiglu(x, w.get(p + "w1.weight", (s.intermediate, s.hidden)),
-                      w.get(p + "w3.weight", (s.intermediate, s.hidden)),
-                      w.get(p + "w2.weight", (s.hidden, s.intermediate)), leaf="feed_forward")
+    return swiglu_mlp(dec, w, f"layers.{i}.feed_forward.", s, x, names=("w1", "w3", "w2"), leaf="feed_forward")

@@ -23,8 +23,8 @@ from snapspec import SnapspecError
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import DecoderSpec, lm_head
-from .lfm2 import conv_layer
+from .common import DecoderSpec, attention, embed_tokens, lm_head
+from .lfm2 import conv_layer, dense_ffn
 
 MODEL_TYPES = ("lfm3",)
 DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -95,8 +95,7 @@ def inv_freq(kind: str, theta: float, partial: float, head_dim: int) -> np.ndarr
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D, hd = s.hidden, s.head_dim
     g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    h = embed_tokens(dec, w, s)
     rotary = {kind: dec.rotary_cache(hd, theta, max_context, inv_freq(t, theta, partial, hd))
               for kind, t, theta, partial in s.rope if kind in s.layer_types}
 
@@ -104,27 +103,17 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
         kind = s.layer_types[i]
         if kind != "conv":
             a = f"layers.{i}.self_attn."
-            q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
             extra = {}
             if s.head_gate:
                 gate = a + ("g_proj.weight" if w.has(a + "g_proj.weight") else "gate_proj.weight")
                 extra["head_gate_w"] = w.get(gate, (s.heads, D))
-            if s.attention_bias:
-                extra.update(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
-                             v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
-            with g.scope("self_attn"):
-                return dec.attention(
-                    x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-                    w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
-                    q_norm=w.get(a + "q_norm.weight", (hd,)), k_norm=w.get(a + "k_norm.weight", (hd,)),
-                    rotary=rotary[kind], window=s.window if kind == "sliding_attention" else None, **extra)
+            return attention(dec, w, a, s, x, i, rotary=rotary[kind], biases="qkvo" if s.attention_bias else "",
+                             norms=("q_norm", "k_norm"), window=s.window if kind == "sliding_attention" else None,
+                             **extra)
         return conv_layer(dec, w, s, x, i)
 
     def ffn(x: str, i: int) -> str:
-        p = f"layers.{i}.feed_forward."
-        return dec.swiglu(x, w.get(p + "w1.weight", (s.intermediate, D)), w.get(p + "w3.weight", (s.intermediate, D)),
-                          w.get(p + "w2.weight", (D, s.intermediate)), leaf="feed_forward")
+        return dense_ffn(dec, w, s, x, i)
 
     def norm(i: int, name: str):
         return w.get(f"layers.{i}.{name}.weight", (D,))

@@ -15,7 +15,7 @@ from snapspec import SnapspecError
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import Mamba2Spec, check_silu, mamba2_mixer, time_step_limit
+from .common import Mamba2Spec, check_silu, embed_tokens, mamba2_mixer, time_step_limit
 from .nemotron_h import block_stack
 
 MODEL_TYPES = ("mamba2",)
@@ -49,9 +49,8 @@ def ignored(s: Spec) -> tuple[str, ...]:
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D = s.hidden
     g = dec.fwd
-    dec.token_inputs()
     table = "embeddings.weight" if w.has("embeddings.weight") else "embedding.weight"
-    h = dec.embed(w.get(table, (s.vocab, D)))
+    h = embed_tokens(dec, w, s, table)
 
     def mixer(x: str, i: int) -> str:
         with g.scope("mixer"):

@@ -26,7 +26,7 @@ from snapspec import SnapspecError
 from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
-from .common import Mamba2Spec, check_silu, mamba2_layer_types, mamba2_mixer
+from .common import Mamba2Spec, attention, check_silu, embed_tokens, mamba2_layer_types, mamba2_mixer
 
 MODEL_TYPES = ("nemotron_h",)
 F32 = TensorProto.FLOAT
@@ -193,10 +193,9 @@ def _moe(dec: Decoder, x: str, w: Weights, p: str, s: Spec) -> str:
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     if w.has_abs("backbone.embeddings.weight"):
         w.prefix = "backbone."  # NVIDIA's checkpoints; transformers renames it to model. on load
-    D, hd = s.hidden, s.head_dim
+    D = s.hidden
     g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embeddings.weight", (s.vocab, D)))
+    h = embed_tokens(dec, w, s, "embeddings.weight")
 
     def mixer(x: str, i: int) -> str:
         p = f"layers.{i}.mixer."
@@ -204,12 +203,8 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
         with g.scope("mixer"):
             if kind == "linear_attention":
                 return mamba2_mixer(dec, w, p, s, x, i)
-            if kind == "full_attention":
-                q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-                return dec.attention(
-                    x, i, w.get(p + "q_proj.weight", (q_rows, D)), w.get(p + "k_proj.weight", (kv_rows, D)),
-                    w.get(p + "v_proj.weight", (kv_rows, D)), w.get(p + "o_proj.weight", (D, q_rows)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps)
+            if kind == "full_attention":  # no position encoding
+                return attention(dec, w, p, s, x, i, scope=None)
             if kind == "mlp":
                 return _relu2_mlp(dec, x, w, p, s.intermediate, s, "mlp")
             return _moe(dec, x, w, p, s)

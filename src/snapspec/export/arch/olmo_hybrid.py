@@ -19,8 +19,7 @@ from snapspec import SnapspecError
 from ..blocks import Decoder
 from ..lazy import concat
 from ..weights import Weights
-from .common import GatedDeltaNetSpec, lm_head
-from .qwen3 import self_attention
+from .common import GatedDeltaNetSpec, attention, embed_tokens, lm_head, swiglu_mlp
 
 MODEL_TYPES = ("olmo_hybrid",)
 GATED_NORM_EPS = 1e-5  # OlmoHybridGatedDeltaNet's o_norm
@@ -81,15 +80,14 @@ def ignored(s: Spec) -> tuple[str, ...]:
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D, hd = s.hidden, s.head_dim
+    D = s.hidden
     g = dec.fwd
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    h = embed_tokens(dec, w, s)
     rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context) if s.rope else None
 
-    def attention(x: str, i: int) -> str:  # q/k norms over all heads at once (OLMo-2/3)
-        return self_attention(dec, w, x, i, heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, hidden=D, eps=s.eps,
-                              rotary=rotary, bias=s.attention_bias, norm_all_heads=True)
+    def full_attention(x: str, i: int) -> str:  # q/k norms over all heads at once (OLMo-2/3)
+        return attention(dec, w, f"layers.{i}.self_attn.", s, x, i, rotary=rotary,
+                         biases="qkvo" if s.attention_bias else "", norms=("q_norm", "k_norm"), norm_all_heads=True)
 
     def linear_attention(x: str, i: int) -> str:
         a = f"layers.{i}.linear_attn."
@@ -107,10 +105,7 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
                 eps=GATED_NORM_EPS, beta_scale=s.beta_scale)
 
     def mlp(x: str, i: int) -> str:
-        p = f"layers.{i}.mlp."
-        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                          w.get(p + "up_proj.weight", (s.intermediate, D)),
-                          w.get(p + "down_proj.weight", (D, s.intermediate)))
+        return swiglu_mlp(dec, w, f"layers.{i}.mlp.", s, x)
 
     def norm(i: int, name: str) -> str:
         full = f"layers.{i}.{name}.weight"
@@ -122,7 +117,8 @@ def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
             if s.layer_types[i] == "full_attention":  # post-norm: h += norm(attn(h)); h += norm(mlp(h))
                 if y is not None:
                     h = g.op("Add", [h, y], "residual_in")
-                a = g.rms_norm(attention(h, i), norm(i, "post_attention_layernorm"), s.eps, "post_attention_layernorm")
+                a = g.rms_norm(full_attention(h, i), norm(i, "post_attention_layernorm"), s.eps,
+                               "post_attention_layernorm")
                 h = g.op("Add", [h, a], "residual")
                 y = g.rms_norm(mlp(h, i), norm(i, "post_feedforward_layernorm"), s.eps, "post_feedforward_layernorm")
             else:  # pre-norm: h += mixer(norm(h)); h += mlp(norm(h))

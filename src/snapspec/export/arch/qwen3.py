@@ -13,7 +13,7 @@ from snapspec import SnapspecError
 
 from ..blocks import Decoder
 from ..weights import Weights
-from .common import DecoderSpec, lm_head, residual_stack
+from .common import DecoderSpec, attention, embed_tokens, lm_head, residual_stack, swiglu_mlp
 
 MODEL_TYPES = ("qwen3",)
 
@@ -54,41 +54,17 @@ def ignored(s: Spec) -> tuple[str, ...]:
     return ()
 
 
-def self_attention(dec: Decoder, w: Weights, x: str, i: int, *, heads: int, kv_heads: int, head_dim: int,
-                   hidden: int, eps: float, rotary, bias: bool, norm_all_heads: bool = False) -> str:
-    """Layer i's Qwen3-style attention (`layers.{i}.self_attn.*`: q/k/v/o projections, optional biases, q/k RMSNorm
-    per head, or over all heads at once with norm_all_heads as OLMo-Hybrid's)."""
-    a, D = f"layers.{i}.self_attn.", hidden
-    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-    biases = {}
-    if bias:
-        biases = dict(q_bias=w.get(a + "q_proj.bias", (q_rows,)), k_bias=w.get(a + "k_proj.bias", (kv_rows,)),
-                      v_bias=w.get(a + "v_proj.bias", (kv_rows,)), o_bias=w.get(a + "o_proj.bias", (D,)))
-    q_norm, k_norm = (q_rows, kv_rows) if norm_all_heads else (head_dim, head_dim)
-    with dec.fwd.scope("self_attn"):
-        return dec.attention(
-            x, i, w.get(a + "q_proj.weight", (q_rows, D)), w.get(a + "k_proj.weight", (kv_rows, D)),
-            w.get(a + "v_proj.weight", (kv_rows, D)), w.get(a + "o_proj.weight", (D, q_rows)),
-            heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps,
-            q_norm=w.get(a + "q_norm.weight", (q_norm,)), k_norm=w.get(a + "k_norm.weight", (k_norm,)),
-            rotary=rotary, **biases)
-
-
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D, hd = s.hidden, s.head_dim
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
-    rotary = dec.rotary_cache(hd, s.rope_theta, max_context)
+    D = s.hidden
+    h = embed_tokens(dec, w, s)
+    rotary = dec.rotary_cache(s.head_dim, s.rope_theta, max_context)
 
     def mixer(x: str, i: int) -> str:
-        return self_attention(dec, w, x, i, heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, hidden=D, eps=s.eps,
-                              rotary=rotary, bias=s.bias)
+        return attention(dec, w, f"layers.{i}.self_attn.", s, x, i, rotary=rotary, biases="qkvo" if s.bias else "",
+                         norms=("q_norm", "k_norm"))
 
     def ffn(x: str, i: int) -> str:
-        p = f"layers.{i}.mlp."
-        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                          w.get(p + "up_proj.weight", (s.intermediate, D)),
-                          w.get(p + "down_proj.weight", (D, s.intermediate)))
+        return swiglu_mlp(dec, w, f"layers.{i}.mlp.", s, x)
 
     x = residual_stack(dec, h, s.layers, s.eps, lambda i: w.get(f"layers.{i}.input_layernorm.weight", (D,)),
                        lambda i: w.get(f"layers.{i}.post_attention_layernorm.weight", (D,)), mixer, ffn,

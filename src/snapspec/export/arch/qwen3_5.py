@@ -11,12 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
-from .common import GatedDeltaNetSpec, gdn_fields, lm_head, residual_stack
+from .common import GatedDeltaNetSpec, gdn_build, gdn_fields, gdn_mixer, swiglu_mlp
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -63,50 +61,25 @@ def has_mtp(ckpt: Checkpoint) -> bool:
     return any(n.startswith(("mtp.", "model.mtp.")) for n in ckpt.names())
 
 
+def projections(w: Weights, s: Spec):
+    """The Gated DeltaNet input projections, one tensor each (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
+    kd, vd, D = s.k_heads * s.k_dim, s.v_heads * s.v_dim, s.hidden
+
+    def read(a: str) -> tuple:
+        return (w.get(a + "in_proj_qkv.weight", (2 * kd + vd, D)), w.get(a + "in_proj_z.weight", (vd, D)),
+                w.get(a + "in_proj_b.weight", (s.v_heads, D)), w.get(a + "in_proj_a.weight", (s.v_heads, D)))
+
+    return read
+
+
 def mixer(dec: Decoder, w: Weights, s: Spec, rotary) -> Callable[[str, int], str]:
     """Layer i's token mixer: gated attention or Gated DeltaNet (shared with Qwen3.5 MoE)."""
-    D, hd = s.hidden, s.head_dim
-    g = dec.fwd
-
-    def run(x: str, i: int) -> str:
-        p = f"layers.{i}."
-        if s.layer_types[i] == "full_attention":
-            with g.scope("self_attn"):
-                qg = w.get(p + "self_attn.q_proj.weight", (2 * s.heads * hd, D)).reshape(s.heads, 2, hd, D)
-                return dec.attention(
-                    x, i, qg[:, 0].reshape(-1, D), w.get(p + "self_attn.k_proj.weight", (s.kv_heads * hd, D)),
-                    w.get(p + "self_attn.v_proj.weight", (s.kv_heads * hd, D)),
-                    w.get(p + "self_attn.o_proj.weight", (D, s.heads * hd)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps,
-                    q_norm=1.0 + w.get(p + "self_attn.q_norm.weight", (hd,)),
-                    k_norm=1.0 + w.get(p + "self_attn.k_norm.weight", (hd,)),
-                    gate_w=qg[:, 1].reshape(-1, D), rotary=rotary)
-        a = p + "linear_attn."
-        kd, vd = s.k_heads * s.k_dim, s.v_heads * s.v_dim
-        with g.scope("linear_attn"):
-            return dec.gated_deltanet(
-                x, i, qkv_w=w.get(a + "in_proj_qkv.weight", (2 * kd + vd, D)),
-                z_w=w.get(a + "in_proj_z.weight", (vd, D)), b_w=w.get(a + "in_proj_b.weight", (s.v_heads, D)),
-                a_w=w.get(a + "in_proj_a.weight", (s.v_heads, D)),
-                conv_w=w.get(a + "conv1d.weight", (2 * kd + vd, 1, s.kernel)),
-                a_log=w.get(a + "A_log", (s.v_heads,)), dt_bias=w.get(a + "dt_bias", (s.v_heads,)),
-                norm_w=w.get(a + "norm.weight", (s.v_dim,)), out_w=w.get(a + "out_proj.weight", (D, vd)),
-                k_heads=s.k_heads, v_heads=s.v_heads, k_dim=s.k_dim, v_dim=s.v_dim, kernel=s.kernel, eps=s.eps)
-
-    return run
+    return gdn_mixer(dec, w, s, rotary, projections(w, s))
 
 
 def dense_ffn(dec: Decoder, w: Weights, s: Spec) -> Callable[[str, int], str]:
     """Layer i's SwiGLU feed-forward."""
-    D = s.hidden
-
-    def run(x: str, i: int) -> str:
-        p = f"layers.{i}.mlp."
-        return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                          w.get(p + "up_proj.weight", (s.intermediate, D)),
-                          w.get(p + "down_proj.weight", (D, s.intermediate)))
-
-    return run
+    return lambda x, i: swiglu_mlp(dec, w, f"layers.{i}.mlp.", s, x)
 
 
 def mtp_layer(dec: Decoder, w: Weights, s: Spec, rotary) -> tuple[Callable, Callable]:
@@ -115,15 +88,4 @@ def mtp_layer(dec: Decoder, w: Weights, s: Spec, rotary) -> tuple[Callable, Call
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D = s.hidden
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
-    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
-
-    def norm(name: str) -> np.ndarray:
-        return 1.0 + w.get(name, (D,))
-
-    x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
-                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer(dec, w, s, rotary),
-                       dense_ffn(dec, w, s), norm("norm.weight"))
-    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))
+    gdn_build(dec, w, s, max_context, projections(w, s), dense_ffn(dec, w, s))

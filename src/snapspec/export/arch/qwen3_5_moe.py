@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..blocks import Decoder
 from ..weights import Weights
 from . import qwen3_5, qwen3_next
-from .common import GatedDeltaNetSpec, lm_head, residual_stack
+from .common import GatedDeltaNetSpec, gdn_build
 
 MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 has_mtp = qwen3_5.has_mtp
@@ -41,25 +39,15 @@ def spec(config: dict) -> Spec:
                 shared_intermediate=text.get("shared_expert_intermediate_size", 512))
 
 
+def ffn(dec: Decoder, w: Weights, s: Spec):
+    """Layer i's feed-forward: the sparse MoE, its top-k weights always renormalised."""
+    return lambda x, i: qwen3_next.sparse_moe(dec, w, s, x, f"layers.{i}.mlp.", normalize=True)
+
+
 def mtp_layer(dec: Decoder, w: Weights, s: Spec, rotary):
     """(mixer, feed-forward) of the MTP head's layer (export/mtp.py; w reads `mtp.`): gated attention, sparse MoE."""
-    return qwen3_5.mixer(dec, w, s, rotary), lambda x, i: qwen3_next.sparse_moe(dec, w, s, x, f"layers.{i}.mlp.",
-                                                                               normalize=True)
+    return qwen3_5.mixer(dec, w, s, rotary), ffn(dec, w, s)
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D = s.hidden
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
-    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
-
-    def norm(name: str) -> np.ndarray:
-        return 1.0 + w.get(name, (D,))
-
-    def ffn(x: str, i: int) -> str:
-        return qwen3_next.sparse_moe(dec, w, s, x, f"layers.{i}.mlp.", normalize=True)
-
-    x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
-                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"),
-                       qwen3_5.mixer(dec, w, s, rotary), ffn, norm("norm.weight"))
-    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))
+    gdn_build(dec, w, s, max_context, qwen3_5.projections(w, s), ffn(dec, w, s))

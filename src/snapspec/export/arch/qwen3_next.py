@@ -26,7 +26,7 @@ import numpy as np
 from ..blocks import Decoder
 from ..checkpoint import Checkpoint
 from ..weights import Weights
-from .common import GatedDeltaNetSpec, gdn_fields, lm_head, residual_stack
+from .common import GatedDeltaNetSpec, gdn_build, gdn_fields, gdn_mixer, swiglu_mlp
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("qwen3_next",)
@@ -108,50 +108,19 @@ def sparse_moe(dec: Decoder, w: Weights, s, x: str, p: str, normalize: bool) -> 
                        shared_gate_w=w.get(p + "shared_expert_gate.weight", (1, D)))
 
 
-def mixer(dec: Decoder, w: Weights, s: Spec, rotary) -> Callable[[str, int], str]:
-    """Layer i's token mixer: gated attention or Gated DeltaNet (fused, interleaved projections)."""
-    D, hd = s.hidden, s.head_dim
-    g = dec.fwd
-
-    def norm(name: str, dim: int = D) -> np.ndarray:
-        return 1.0 + w.get(name, (dim,))
-
-    def run(x: str, i: int) -> str:
-        p = f"layers.{i}."
-        if s.layer_types[i] == "full_attention":
-            a = p + "self_attn."
-            qg = w.get(a + "q_proj.weight", (2 * s.heads * hd, D)).reshape(s.heads, 2, hd, D)
-            with g.scope("self_attn"):
-                return dec.attention(
-                    x, i, qg[:, 0].reshape(-1, D), w.get(a + "k_proj.weight", (s.kv_heads * hd, D)),
-                    w.get(a + "v_proj.weight", (s.kv_heads * hd, D)), w.get(a + "o_proj.weight", (D, s.heads * hd)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, eps=s.eps, q_norm=norm(a + "q_norm.weight", hd),
-                    k_norm=norm(a + "k_norm.weight", hd), gate_w=qg[:, 1].reshape(-1, D), rotary=rotary)
-        a = p + "linear_attn."
-        kd, vd = s.k_heads * s.k_dim, s.v_heads * s.v_dim
-        qkv, z, b, a_w = split_qkvz(w.get(a + "in_proj_qkvz.weight", (2 * kd + 2 * vd, D)),
-                                    w.get(a + "in_proj_ba.weight", (2 * s.v_heads, D)), s)
-        with g.scope("linear_attn"):
-            return dec.gated_deltanet(
-                x, i, qkv_w=qkv, z_w=z, b_w=b, a_w=a_w, conv_w=w.get(a + "conv1d.weight", (2 * kd + vd, 1, s.kernel)),
-                a_log=w.get(a + "A_log", (s.v_heads,)), dt_bias=w.get(a + "dt_bias", (s.v_heads,)),
-                norm_w=w.get(a + "norm.weight", (s.v_dim,)), out_w=w.get(a + "out_proj.weight", (D, vd)),
-                k_heads=s.k_heads, v_heads=s.v_heads, k_dim=s.k_dim, v_dim=s.v_dim, kernel=s.kernel, eps=s.eps)
-
-    return run
+def projections(w: Weights, s: Spec):
+    """The Gated DeltaNet input projections, read fused (in_proj_qkvz, in_proj_ba) and de-interleaved."""
+    kd, vd, D = s.k_heads * s.k_dim, s.v_heads * s.v_dim, s.hidden
+    return lambda a: split_qkvz(w.get(a + "in_proj_qkvz.weight", (2 * kd + 2 * vd, D)),
+                                w.get(a + "in_proj_ba.weight", (2 * s.v_heads, D)), s)
 
 
 def ffn(dec: Decoder, w: Weights, s: Spec) -> Callable[[str, int], str]:
     """Layer i's feed-forward: the sparse MoE, or a dense SwiGLU where s.moe_layers says so."""
-    D = s.hidden
 
     def run(x: str, i: int) -> str:
         p = f"layers.{i}.mlp."
-        if not s.moe_layers[i]:
-            return dec.swiglu(x, w.get(p + "gate_proj.weight", (s.intermediate, D)),
-                              w.get(p + "up_proj.weight", (s.intermediate, D)),
-                              w.get(p + "down_proj.weight", (D, s.intermediate)))
-        return sparse_moe(dec, w, s, x, p, s.norm_topk)
+        return sparse_moe(dec, w, s, x, p, s.norm_topk) if s.moe_layers[i] else swiglu_mlp(dec, w, p, s, x)
 
     return run
 
@@ -160,19 +129,8 @@ def mtp_layer(dec: Decoder, w: Weights, s: Spec, rotary) -> tuple[Callable, Call
     """(mixer, feed-forward) of the MTP head's layer (export/mtp.py; w reads `mtp.`): gated attention, and a sparse
     MoE when the head has a router (`mtp.layers.0.mlp.gate.weight`), else a dense SwiGLU."""
     s = replace(s, moe_layers=(w.has("layers.0.mlp.gate.weight"),))
-    return mixer(dec, w, s, rotary), ffn(dec, w, s)
+    return gdn_mixer(dec, w, s, rotary, projections(w, s)), ffn(dec, w, s)
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D = s.hidden
-    dec.token_inputs()
-    h = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
-    rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
-
-    def norm(name: str) -> np.ndarray:
-        return 1.0 + w.get(name, (D,))
-
-    x = residual_stack(dec, h, s.layers, s.eps, lambda i: norm(f"layers.{i}.input_layernorm.weight"),
-                       lambda i: norm(f"layers.{i}.post_attention_layernorm.weight"), mixer(dec, w, s, rotary),
-                       ffn(dec, w, s), norm("norm.weight"))
-    dec.logits(x, lm_head(w, s.vocab, s.hidden, s.prefix))
+    gdn_build(dec, w, s, max_context, projections(w, s), ffn(dec, w, s))

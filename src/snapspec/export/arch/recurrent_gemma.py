@@ -20,7 +20,7 @@ from snapspec import SnapspecError
 from ..blocks import Decoder
 from ..lazy import concat
 from ..weights import Weights
-from .common import DecoderSpec, lm_head, residual_stack
+from .common import DecoderSpec, attention, embed_tokens, lm_head, residual_stack
 
 MODEL_TYPES = ("recurrent_gemma",)
 
@@ -75,28 +75,18 @@ def ignored(s: Spec) -> tuple[str, ...]:
 
 
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
-    D, hd, W = s.hidden, s.head_dim, s.lru_width
+    D, W = s.hidden, s.lru_width
     g = dec.fwd
-    dec.token_inputs()
-    table = w.get("embed_tokens.weight", (s.vocab, D))
-    h = dec.embed(table)
+    h = embed_tokens(dec, w, s)
     with g.scope("model/embed_tokens"):
         h = g.op("Mul", [h, g.scalar("normalizer", bf16(D ** 0.5))], "normalizer")
     rotary = dec.rotary_cache(s.rotary_dim, s.rope_theta, max_context)
 
     def mixer(x: str, i: int) -> str:
         p = f"layers.{i}.temporal_block."
-        if s.layer_types[i] == "sliding_attention":
-            q_rows, kv_rows = s.heads * hd, s.kv_heads * hd
-            biases = dict(o_bias=w.get(p + "o_proj.bias", (D,)))
-            if s.attention_bias:
-                biases.update(q_bias=w.get(p + "q_proj.bias", (q_rows,)), k_bias=w.get(p + "k_proj.bias", (kv_rows,)),
-                              v_bias=w.get(p + "v_proj.bias", (kv_rows,)))
-            with g.scope("temporal_block"):
-                return dec.attention(
-                    x, i, w.get(p + "q_proj.weight", (q_rows, D)), w.get(p + "k_proj.weight", (kv_rows, D)),
-                    w.get(p + "v_proj.weight", (kv_rows, D)), w.get(p + "o_proj.weight", (D, q_rows)),
-                    heads=s.heads, kv_heads=s.kv_heads, head_dim=hd, rotary=rotary, window=s.window, **biases)
+        if s.layer_types[i] == "sliding_attention":  # o_proj always has a bias, q, k and v per the config
+            return attention(dec, w, p, s, x, i, rotary=rotary, biases="qkvo" if s.attention_bias else "o",
+                             scope="temporal_block", window=s.window)
         H, bw = s.heads, W // s.heads
         r = p + "rg_lru."
         with g.scope("temporal_block"):

@@ -22,7 +22,7 @@ from snapspec import SnapspecError
 from ..blocks import Decoder
 from ..graph import MS
 from ..weights import Weights
-from .common import Mamba2Spec, lm_head, mamba2_layer_types, mamba2_mixer
+from .common import Mamba2Spec, embed_tokens, lm_head, mamba2_layer_types, mamba2_mixer
 from .qwen3 import rope_parameters
 
 MODEL_TYPES = ("zamba2",)
@@ -85,8 +85,7 @@ def ignored(s: Spec) -> tuple[str, ...]:
 def build(dec: Decoder, w: Weights, s: Spec, max_context: int) -> None:
     D, hd, I, R = s.hidden, s.head_dim, s.intermediate, s.adapter_rank
     g = dec.fwd
-    dec.token_inputs()
-    e = dec.embed(w.get("embed_tokens.weight", (s.vocab, D)))
+    e = embed_tokens(dec, w, s)
     rotary = dec.rotary_cache(hd, s.rope_theta, max_context) if s.rope else None
     hybrid = s.hybrid_layers
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..graph import MS, Graph
 from ..lazy import concat
-from .common import F32, StateEntry
+from .common import F32, StateEntry, linear_attention
 
 L2NORM_EPS = 1e-6  # transformers' l2norm of q and k in the gated delta rule (Qwen3.5, Qwen3-Next)
 
@@ -43,13 +43,7 @@ class GatedDelta:
         q, k, v = self._qkv_heads(g, conv_out, k_heads, v_heads, k_dim, v_dim)
         self._rollback_out(g, proj, layer, [("conv_input", conv_dim), ("b", v_heads), ("a", v_heads)],
                            width=conv_dim + v_heads * (2 + v_dim))
-
-        rec_shape = ["batch", v_heads, k_dim, v_dim]
-        past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
-        present_rec = f"present_recurrent_state.{layer}"
-        self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, rec_shape, "float32"))
-        core = self._gated_delta(g, q, k, v, decay, beta, past_rec, present_rec, v_heads, k_dim)
-        g.output(present_rec, present_rec, F32, rec_shape)
+        core = self._forward_rule(layer, q, k, v, decay, beta, v_heads, k_dim, v_dim)
 
         # Gated RMSNorm per value head (rms_norm(o) * w * silu(z), each group of v_dim values of the packed heads
         # normalised on its own: one GatedRMSNorm), then the output projection. The silu gate is the op's default,
@@ -95,36 +89,57 @@ class GatedDelta:
         q, k = g.split(t, [1, 1], axis=2, leaf="split_qk")
         return g.reshape(q, [0, 0, v_heads * k_dim], "q_flat"), g.reshape(k, [0, 0, v_heads * k_dim], "k_flat"), v
 
+    def _forward_rule(self, layer: int, q: str, k: str, v: str, decay: str, beta: str, heads: int, k_dim: int,
+                      v_dim: int) -> str:
+        """The forward's gated delta rule (Gated DeltaNet, KDA) on the layer's recurrent state, which it enters in
+        the state table; returns the rule's float32 output."""
+        g = self.fwd
+        rec_shape = ["batch", heads, k_dim, v_dim]
+        past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
+        present_rec = f"present_recurrent_state.{layer}"
+        self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, rec_shape, "float32"))
+        core = self._gated_delta(g, q, k, v, decay, beta, past_rec, present_rec, heads, k_dim)
+        g.output(present_rec, present_rec, F32, rec_shape)
+        return core
+
     def _gated_delta(self, g: Graph, q, k, v, decay, beta, past, present, v_heads: int, k_dim: int,
                      keep_output: bool = True) -> str | None:
         """The gated delta rule on float32 inputs, always: the state is float32 (fp16 state drifts over long
         sequences) and the CUDA and WebGPU kernels want the activations in the state's dtype. Returns the float32
         output; keep_output False (the replay): only the state is kept."""
-        out, _ = g.op("LinearAttention", [q, k, v, past, decay, beta], "LinearAttention", n_out=2, domain=MS,
-                      outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
-                      q_num_heads=v_heads, kv_num_heads=v_heads, update_rule="gated_delta",
-                      scale=float(k_dim ** -0.5))
+        out = linear_attention(g, [q, k, v, past, decay, beta], present, v_heads, "gated_delta", float(k_dim ** -0.5))
         return out if keep_output else None
+
+    def _replay_conv(self, layer: int, kinds: tuple[str, ...], conv_weight: np.ndarray, kernel: int) -> list[str]:
+        """The start of a delta-rule replay (Gated DeltaNet, KDA): the rollback slices `kinds`, conv input first, in
+        float32, and the conv over the first with its present state written. Returns [conv output, other slices]."""
+        r = self.replay
+        conv_in, *rest = (f"rollback.{layer}.{kind}" if r.onnx_dtype == F32 else
+                          r.op("Cast", [f"rollback.{layer}.{kind}"], f"{kind}_f32", to=F32) for kind in kinds)
+        conv_out = self._causal_conv(r, conv_in, r.const("conv/weight", conv_weight, keep_dtype=True),
+                                     f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu")
+        r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", F32,
+                 ["batch", kernel - 1, conv_weight.shape[0]])
+        return [conv_out, *rest]
+
+    def _replay_rule(self, layer: int, k: str, v: str, decay: str, beta: str, heads: int, k_dim: int,
+                     v_dim: int) -> None:
+        """The end of a delta-rule replay: the rule with q := k from the saved state, only its present state kept."""
+        r = self.replay
+        shape = ["batch", heads, k_dim, v_dim]
+        past_rec = r.input(f"past_recurrent_state.{layer}", F32, shape)
+        self._gated_delta(r, k, k, v, decay, beta, past_rec, f"present_recurrent_state.{layer}", heads, k_dim,
+                          keep_output=False)
+        r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32, shape)
 
     def _gdn_replay(self, layer, conv_weight, a_log, dt_bias, k_heads, v_heads, k_dim, v_dim, kernel, beta_scale):
         """Advance conv and recurrent state over the first j tokens of the rollback data: the conv, gates and norms
         recomputed from the saved conv and gate inputs, then the rule with q := k (its output is discarded, only
         its state is kept)."""
         r = self.replay
-        conv_dim = conv_weight.shape[0]
         with r.scope(f"model/layers.{layer}/linear_attn"):
             # the rollback data holds the projection's columns in the export dtype; the forward cast them up too
-            conv_in, b, a = (f"rollback.{layer}.{kind}" if r.onnx_dtype == F32 else
-                             r.op("Cast", [f"rollback.{layer}.{kind}"], f"{kind}_f32", to=F32)
-                             for kind in ("conv_input", "b", "a"))
-            conv_out = self._causal_conv(r, conv_in, r.const("conv/weight", conv_weight, keep_dtype=True),
-                                         f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu")
-            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", F32,
-                     ["batch", kernel - 1, conv_dim])
+            conv_out, b, a = self._replay_conv(layer, ("conv_input", "b", "a"), conv_weight, kernel)
             beta, decay = self._gdn_gates(r, b, a, a_log, dt_bias, v_heads, beta_scale)
             _, k, v = self._qkv_heads(r, conv_out, k_heads, v_heads, k_dim, v_dim)
-            past_rec = r.input(f"past_recurrent_state.{layer}", F32, ["batch", v_heads, k_dim, v_dim])
-            self._gated_delta(r, k, k, v, decay, beta, past_rec, f"present_recurrent_state.{layer}", v_heads, k_dim,
-                              keep_output=False)
-            r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32,
-                     ["batch", v_heads, k_dim, v_dim])
+            self._replay_rule(layer, k, v, decay, beta, v_heads, k_dim, v_dim)

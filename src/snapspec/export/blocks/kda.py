@@ -26,7 +26,7 @@ import numpy as np
 
 from ..graph import MS, Graph
 from ..lazy import concat
-from .common import F32, StateEntry
+from .common import F32
 
 
 class Kda:
@@ -65,13 +65,7 @@ class Kda:
         decay = gates.decay(g, up(f, "f_f32"))
         beta = g.op("Sigmoid", [up(b, "b_f32")], "beta")
         q, k, v = self._qkv_heads(g, conv_out, heads, heads, head_dim, head_dim)
-
-        rec_shape = ["batch", heads, head_dim, head_dim]
-        past_rec = g.input(f"past_recurrent_state.{layer}", F32, rec_shape)
-        present_rec = f"present_recurrent_state.{layer}"
-        self.state.append(StateEntry(past_rec, present_rec, "recurrent", layer, rec_shape, "float32"))
-        core = self._gated_delta(g, q, k, v, decay, beta, past_rec, present_rec, heads, head_dim)
-        g.output(present_rec, present_rec, F32, rec_shape)
+        core = self._forward_rule(layer, q, k, v, decay, beta, heads, head_dim, head_dim)
 
         # RMSNorm per head (its weight shared by the heads) times sigmoid(gate), in float32
         with g.scope("o_norm"):
@@ -90,23 +84,12 @@ class Kda:
         """Advance conv and recurrent state over the first j tokens of the rollback data (conv, gates and norms
         recomputed from the saved inputs; the rule with q := k, its output discarded)."""
         r = self.replay
-        conv_dim = conv_weight.shape[0]
         with r.scope(f"model/layers.{layer}/self_attn"):
-            conv_in, b, f = (f"rollback.{layer}.{kind}" if r.onnx_dtype == F32 else
-                             r.op("Cast", [f"rollback.{layer}.{kind}"], f"{kind}_f32", to=F32)
-                             for kind in ("conv_input", "b", "f"))
-            conv_out = self._causal_conv(r, conv_in, r.const("conv/weight", conv_weight, keep_dtype=True),
-                                         f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu")
-            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", F32,
-                     ["batch", kernel - 1, conv_dim])
+            conv_out, b, f = self._replay_conv(layer, ("conv_input", "b", "f"), conv_weight, kernel)
             decay = gates.decay(r, f)
             beta = r.op("Sigmoid", [b], "beta")
             _, k, v = self._qkv_heads(r, conv_out, heads, heads, head_dim, head_dim)
-            shape = ["batch", heads, head_dim, head_dim]
-            past_rec = r.input(f"past_recurrent_state.{layer}", F32, shape)
-            self._gated_delta(r, k, k, v, decay, beta, past_rec, f"present_recurrent_state.{layer}", heads, head_dim,
-                              keep_output=False)
-            r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32, shape)
+            self._replay_rule(layer, k, v, decay, beta, heads, head_dim, head_dim)
 
 
 class _Gates:
