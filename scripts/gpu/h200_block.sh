@@ -18,28 +18,29 @@
 #   ckpt    random-weight checkpoints with published shapes (benchmarks/checkpoints.py): qwen35-0.8b, -4b, -9b
 #   export  snapspec exports of each: fp16 and fp16 + int4 (the 0.8B is the drafter)
 #   gguf    llama.cpp's converter (F16) and llama-quantize (Q4_0) of the same checkpoints
-#   gpu     in order: tests/test_gpu.py; pair-a bench without and with CUDA graphs (k = 1..4, checkpoint path too);
-#           benchmarks/realscale.py per target shape x dtype, without and with CUDA graphs; llama-bench per GGUF
+#   gpu     in order: tests/runtime/test_gpu.py; pair-a bench without and with CUDA graphs (k = 1..4, checkpoint
+#           path too); benchmarks/realscale.py per target shape x dtype, without and with CUDA graphs; llama-bench
+#           per GGUF
 # Checkpoints and GGUFs live on a tmpfs (the disk is 64 GB; the 9B's files alone are ~70 GB); each size's files are
 # deleted once measured. Stages that would start after $DEADLINE seconds are skipped and say so.
 #
-# The payload's `plan` file picks the block: realscale (the above, the default) or chain
-# (docs/benchmarks/cuda-h200.md "Greedy drafts
-# chained on the device"): no llama.cpp; ckpt + export of the 0.8B and 4B shapes (fp16, fp16 + int4) beside a GPU
-# track of: a smoke check of chained drafts on pair-a, tests/test_gpu.py, then, once the CPU work is done (a quiet
-# host: these rounds are host-sensitive), benchmarks/draft_chain.py on pair-a (chained vs one-step drafts vs plain,
-# profile), the pair-a bench with CUDA graphs, benchmarks/realscale.py for 4B + 0.8B (fp16, int4) with graphs, and
-# benchmarks/graph_nodes.py (nodes per step after onnxruntime's CUDA optimizations). pair: the chain plan's pair-a
-# part alone (smoke, greedy equality, draft_chain, the pair-a bench with graphs), no CPU track. pair2: the pair-a bench
-# of the previous H200 session's runtime (payload oldsrc.tar: snapspec 9107e52 laid out as installed) on the same
+# The payload's `plan` file picks the block: realscale (the above, the default) or chain (docs/benchmarks/cuda-h200.md
+# "Greedy drafts chained on the device"): no llama.cpp; ckpt + export of the 0.8B and 4B shapes (fp16, fp16 + int4)
+# beside a GPU track of: a smoke check of chained drafts on pair-a, tests/runtime/test_gpu.py, then, once the CPU work
+# is done (a quiet host: these rounds are host-sensitive), benchmarks/draft_chain.py on pair-a (chained vs one-step
+# drafts vs plain, profile), the pair-a bench with CUDA graphs, benchmarks/realscale.py for 4B + 0.8B (fp16, int4) with
+# graphs, and benchmarks/graph_nodes.py (nodes per step after onnxruntime's CUDA optimizations). pair: the chain plan's
+# pair-a part alone (smoke, greedy equality, draft_chain, the pair-a bench with graphs), no CPU track. pair2: the pair-a
+# bench of the previous H200 session's runtime (payload oldsrc.tar: snapspec 9107e52 laid out as installed) on the same
 # pair, then draft_chain recording prompts that differ from plain greedy instead of stopping.
-# final: the closing block of the GPU issue: tests/test_gpu.py; pair-a as exported by main (payload pairold/) and by
-# this checkout (pair/): nodes per step, chained speculation (old, new, old), kernel profiles
+# final: the closing block of the GPU issue: tests/runtime/test_gpu.py; pair-a as exported by main (payload pairold/)
+# and by this checkout (pair/): nodes per step, chained speculation (old, new, old), kernel profiles
 # (benchmarks/kernel_profile.py); the 0.8B and 4B shapes (fp16, fp16 + int4) with llama.cpp CUDA beside them, as in
 # realscale, and the 9B in fp16 when the deadline allows. pairab: the pair-a part of final (main vs this checkout,
 # a drafter's profile) and the 4B's cost-model terms with the 0.8B drafter, without llama.cpp.
 set -uo pipefail
 B=${BLOCK_DIR:-/tmp/blk}
+repo=$B/repo  # the checkout, unpacked from the payload's src.tar
 cmd=${1:?start|wait|collect}
 DEADLINE=${DEADLINE:-960}
 
@@ -94,9 +95,9 @@ try_ort() {  # the sm_90-only package first (it travels in two calls), else the 
   [ "$(ls $B/payload/ort.tar.xz.* 2>/dev/null | wc -l)" = "${ORT_PARTS:-4}" ] || return 1
   stage ort install_ort $B/payload/ort.tar.xz.*
 }
-install_src() {  # the package layout of pyproject.toml's package-dir, by copying (no build backend needed)
-  mkdir -p $B/src && tar xf $B/payload/src.tar -C $B/src &&
-    cp -r $B/src/snapspec $B/site/ && cp -r $B/src/export $B/src/runtime $B/src/tools $B/site/snapspec/ &&
+install_src() {  # the package as installed (src/snapspec), by copying (no build backend needed)
+  mkdir -p $repo && tar xf $B/payload/src.tar -C $repo &&
+    cp -r $repo/src/snapspec $B/site/ &&
     mkdir -p $B/shared/models/pair-a/target && cp $B/payload/tok/* $B/shared/models/pair-a/target/ &&
     py -c "import snapspec.runtime, snapspec.export, snapspec.cli.main"
 }
@@ -108,8 +109,8 @@ build_llama() {  # the source may come with a later payload (final plan: c3)
     -DLLAMA_BUILD_SERVER=OFF && cmake --build build -j 12 --target llama-bench llama-quantize
 }
 ckpt() {  # initialised on the GPU (minutes -> seconds); on the CPU if that fails
-  py $B/src/benchmarks/checkpoints.py "$1" $R/ck/$1 --device cuda ||
-    { rm -rf $R/ck/$1 $R/ck/$1.partial; py $B/src/benchmarks/checkpoints.py "$1" $R/ck/$1; }
+  py $repo/benchmarks/checkpoints.py "$1" $R/ck/$1 --device cuda ||
+    { rm -rf $R/ck/$1 $R/ck/$1.partial; py $repo/benchmarks/checkpoints.py "$1" $R/ck/$1; }
 }
 export_one() {  # export_one SHAPE NAME EXTRA...
   local shape=$1 name=$2; shift 2
@@ -138,7 +139,7 @@ llama_bench() {  # llama_bench SHAPE TYPE
     > $B/res/llama-$1-$2.json
 }
 realscale() {  # realscale LABEL TARGET DRAFTER GRAPH
-  timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/realscale.py --target $D/$2 --drafter $D/$3 --ep cuda --cuda-graph $4 \
+  timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $repo/benchmarks/realscale.py --target $D/$2 --drafter $D/$3 --ep cuda --cuda-graph $4 \
     --emitted "$(cat $B/res/pair-a-emitted.txt 2>/dev/null)" --label $1 --json $B/res/realscale-$1.json
 }
 pair_bench() {  # pair_bench NAME GRAPH ROLLBACK
@@ -150,7 +151,7 @@ emitted() {  # mean tokens per round by k, from the pair-a bench: the acceptance
   py -c "import json; r = json.load(open('$B/res/pair-a-$1.json'))['configs']; print(','.join(f\"{x['k']}:{x['mean_emitted_per_round']:.4f}\" for x in r if x['k'] != 'auto' and x['rollback'] == 'auto'))" \
     > $B/res/pair-a-emitted.txt
 }
-tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $B/src/tests/test_gpu.py -q -rs -p no:cacheprovider "$@"; }
+tests() { cd $B/tmp && timeout 480 env PYTHONPATH=$B/site python3 -m pytest $repo/tests/runtime/test_gpu.py -q -rs -p no:cacheprovider "$@"; }
 
 shape_files() {  # shape_files SHAPE TAG DIR: exports DIR-fp16, DIR-int4 and the GGUFs of a generated checkpoint, then
   # its removal (stages export-TAG-fp16, export-TAG-int4, gguf-SHAPE)
@@ -186,7 +187,7 @@ track_gpu_realscale() {
   await pair || true
   for g in 8 0; do  # pair-a's step costs with and without graphs (C(n), c, r), before its speculation bench
     stage rs-pair-graph$g timeout 240 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 \
-      $B/src/benchmarks/realscale.py --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda \
+      $repo/benchmarks/realscale.py --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda \
       --cuda-graph $g --label pair-a-graph$g --json $B/res/realscale-pair-a-graph$g.json
   done
   stage pair-nograph pair_bench nograph 0 auto && emitted nograph
@@ -231,7 +232,7 @@ assert got == ref
 PY
 }
 chain_bench() {
-  cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/draft_chain.py \
+  cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $repo/benchmarks/draft_chain.py \
     --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --cuda-graph 9 \
     --prompts $B/payload/pair/prompts.jsonl --limit 8 --max-new-tokens 128 --k 1,2,3,4 --reps 3 \
     --json $B/res/pair-a-chain.json --profile $B/res/pair-a-chain-profile.txt --spare-row $(spare_choice) \
@@ -253,7 +254,7 @@ print(0 if ok[0] and not ok[1] else 1)" 2>/dev/null || echo 1
 }
 nodes() {  # nodes NAME FOLDER...
   local name=$1; shift
-  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site python3 $B/src/benchmarks/graph_nodes.py "$@" --ep cuda \
+  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site python3 $repo/benchmarks/graph_nodes.py "$@" --ep cuda \
     --json $B/res/nodes-$name.json
 }
 quiet() {  # until the CPU track is done (or SECONDS pass): host-bound rounds must not share the cores
@@ -269,7 +270,7 @@ track_cpu_chain() {
   wait
 }
 equality() {
-  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/greedy_equality.py \
+  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $repo/benchmarks/greedy_equality.py \
     --target $B/payload/pair/target --drafter $B/payload/pair/drafter --ep cuda --prompts $B/payload/pair/prompts.jsonl \
     --limit 8 --max-new-tokens 128 --k 1,3 --json $B/res/pair-a-equality.json
 }
@@ -289,14 +290,14 @@ track_gpu_chain() {
   await export-d08-fp16 export-4b-fp16 && stage rs-4b-fp16-graph realscale 4b-fp16-graph t4b-fp16 d08-fp16 8
 }
 chain_dir() {  # chain_dir NAME PAIR K REPS: draft_chain.py on the pair in $B/payload/PAIR (chained vs one-step vs plain)
-  cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/draft_chain.py \
+  cd $B/tmp && timeout 420 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $repo/benchmarks/draft_chain.py \
     --target $B/payload/$2/target --drafter $B/payload/$2/drafter --ep cuda --cuda-graph 9 \
     --prompts $B/payload/pair/prompts.jsonl --limit 8 --max-new-tokens 128 --k $3 --reps $4 \
     --json $B/res/$1.json
 }
 kprofile() {  # kprofile NAME ROLE FOLDER...: kernels per step and their GPU time (benchmarks/kernel_profile.py)
   local name=$1 role=$2; shift 2
-  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $B/src/benchmarks/kernel_profile.py "$@" \
+  cd $B/tmp && timeout 300 env PYTHONPATH=$B/site PYTHONUNBUFFERED=1 python3 $repo/benchmarks/kernel_profile.py "$@" \
     --ep cuda --cuda-graph 8 --role $role --json $B/res/profile-$name.json
 }
 track_cpu_final() {  # the 0.8B and 4B shapes (exports by this checkout, GGUFs), then the 9B in fp16 if time allows

@@ -13,7 +13,7 @@
 # Needs pip (to download onnxruntime-gpu 1.31.1 for cp312 manylinux x86-64), xz, readelf and an installed snapspec.
 # A prepared OUT_DIR/work/ort90.tar.xz (or ort.tar.xz) is used as it is.
 set -euo pipefail
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)  # scripts/gpu/ -> the checkout
 out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
 plan=${PLAN:-realscale}
 shared=${SHARED:-$repo/../shared}
@@ -28,7 +28,7 @@ unpacked() {  # the wheel's onnxruntime folder, without the TensorRT provider an
 if [ ! -e $work/ort90.tar.xz ]; then
   unpacked
   rm -rf $work/ort90 && cp -r $work/ort $work/ort90
-  python3 $repo/tools/ort_sm90.py $work/ort90/onnxruntime/capi/libonnxruntime_providers_cuda.so
+  python3 $repo/scripts/gpu/ort_sm90.py $work/ort90/onnxruntime/capi/libonnxruntime_providers_cuda.so
   tar cf - -C $work/ort90 onnxruntime | xz -T2 -6 > $work/ort90.tar.xz.tmp && mv $work/ort90.tar.xz.tmp $work/ort90.tar.xz
 fi
 (cd $work && rm -f ort90.tar.xz.[0-9]* && split -d -a 1 -b 47M ort90.tar.xz ort90.tar.xz.)
@@ -45,7 +45,7 @@ case $plan in  # final: c1 would pass 64 MiB with the checkout beside it; c3 car
   realscale) cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c1/ ;;
   final) mkdir -p $out/c3 && cp $shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz $out/c3/ ;;
 esac
-cp $repo/tools/h200_block.sh $out/c1/
+cp $repo/scripts/gpu/h200_block.sh $out/c1/
 echo $plan > $out/c1/plan
 (cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors') > $out/c1/src.tar
 cp $shared/models/pair-a/target/tokenizer.json $shared/models/pair-a/target/tokenizer_config.json $out/c1/tok/

@@ -216,7 +216,7 @@ def judge(result: dict, ref: dict, spec: dict, dtypes: dict[str, str]) -> list[C
     lerr = 0.0
     for counts, law, exact in zip(result["law"], spec["law"], ref["laws"]):
         lerr = max(lerr, float(np.max(np.abs(np.asarray(counts).reshape(5, 5) / law["n"] - exact))))
-    # 40k samples: a cell's standard error is at most ~0.0025; 5 sigma (tests/test_sampling.py's bound).
+    # 40k samples: a cell's standard error is at most ~0.0025; 5 sigma (tests/runtime/test_sampling.py's bound).
     checks.append(Check("sampling: top-k/top-p == Python, sampled speculation follows the target law",
                         perr < 1e-9 and lerr < 0.0125,
                         f"probs max abs diff {perr:.1e}; emitted-pair law max abs diff {lerr:.4f} over 40k trials "

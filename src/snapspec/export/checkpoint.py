@@ -55,9 +55,6 @@ class Checkpoint:
             raise SnapspecError(f"no model.safetensors or model.safetensors.index.json in {self.folder}")
         return [single]
 
-    def total_bytes(self) -> int:
-        return sum(info["data_offsets"][1] - info["data_offsets"][0] for _, info in self._where.values())
-
     def names(self) -> list[str]:
         return sorted(self._where)
 

@@ -29,7 +29,6 @@ from pathlib import Path
 from snapspec import SnapspecError
 
 FILENAME = "genai_config.json"
-GENAI_VERSION = "0.18.0"  # the onnxruntime-genai release this layout was checked against (tests/test_genai.py)
 
 # snapspec model_type -> onnxruntime-genai model.type
 MODEL_TYPES = {"qwen3_5_text": "qwen3_5_text", "qwen3_5": "qwen3_5_text", "lfm2": "lfm2", "qwen3": "qwen3",

@@ -206,9 +206,6 @@ class Graph:
                     if attr.name == "accuracy_level":
                         attr.i = level
 
-    def has_op(self, *op_types: str) -> bool:
-        return any(n.op_type in op_types for n in self.nodes)
-
     def rms_norm(self, x: str, gamma: np.ndarray, eps: float, leaf: str, keep_dtype: bool = False) -> str:
         """x / sqrt(mean(x^2) + eps) * gamma over the last axis (gamma already holds any 1 + w). keep_dtype: gamma
         stays float32 (for an x that is float32 in a float16 export)."""

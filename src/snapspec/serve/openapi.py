@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from snapspec.cli import openai_api as api
 
-_INT = {"type": ["integer", "null"]}
-_NUM = {"type": ["number", "null"]}
 _BOOL = {"type": ["boolean", "null"]}
 _STOP = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4},
                    {"type": "null"}]}

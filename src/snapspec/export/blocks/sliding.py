@@ -6,7 +6,7 @@ position order, [batch, kv_heads, window - 1, head_dim] (state roles swa_key, sw
 padding that is never read): a forward of T tokens attends over [the state's last min(p0, window - 1) rows | its T
 new rows] with GroupQueryAttention's `local_window_size` = window (which masks each new row's keys to its own window: on
 onnxruntime 1.32's CPU kernel a row sees `local_window_size` keys, itself included, checked against a NumPy mask
-in tests/export/test_sliding_window.py; other providers are not checked), and
+in tests/export/test_reference.py; other providers are not checked), and
 its present state is the last window - 1 rows of [state | new rows], as a conv state keeps the last kernel - 1
 inputs. The new rows' keys and values (after norms and RoPE) are the layer's rollback data, and the replay graph
 appends the accepted ones to the saved state: a copy, so a replay gives the state the forward would have written,
