@@ -23,8 +23,8 @@ class Mamba2:
         onnxruntime's LinearAttention with update_rule "gated", which is the Mamba2 recurrence exactly (per head,
         S <- exp(dt A) S + B (dt x)^T, y = S^T C: k = B, v = dt x, q = C, scalar decay dt A, scale 1), for one
         token, a k+1-token verify and a long prompt alike (its chunked prefill matches the recurrence to float32
-        rounding; tests/test_reference.py). dt = softplus(dt + dt_bias) clipped to dt_limit, on every path (transformers
-        clips only in its multi-token path).
+        rounding; tests/export/test_reference.py). dt = softplus(dt + dt_bias) clipped to dt_limit, on every path
+        (transformers clips only in its multi-token path).
 
         Output: y + D x, then the gated RMSNorm over `groups` groups: norm(y * silu(z)) * w, or with
         norm_before_gate norm(y) * w * silu(z); without norm_w (Falcon-H1's mamba_rms_norm off) just y * silu(z).
