@@ -142,11 +142,12 @@ SPECS = {
         attn_layer_offset=2, mamba_d_state=12, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
         tie_word_embeddings=False)),
     # OLMo-Hybrid: three Gated DeltaNet layers then one post-norm attention layer (the published 3:1 pattern); RoPE
-    # on here (the released checkpoints are NoPE) so that both paths are tested; Dk != Dv, kv heads != heads.
+    # on here (the released checkpoints are NoPE) so that both paths are tested; Dk != Dv, kv heads != heads, key
+    # heads != value heads (each key head serves two; the NoPE test keeps them equal).
     "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(
         hidden_size=80, intermediate_size=112, num_hidden_layers=4, num_attention_heads=5, num_key_value_heads=1,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24,
         linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False)),
     # LFM3: the published layer pattern (full attention at i % 4 == 2, sliding at i % 4 == 0 for i > 0, else conv)

@@ -16,10 +16,11 @@ NOPE = {"rope_parameters": {"rope_type": "default", "rope_theta": None}}
 
 def test_olmo_hybrid_nope_matches_transformers(tiny_model, tmp_path):
     """With a null rope_theta transformers builds no rotary embedding: the export has no RotaryEmbedding node and
-    matches it on a 40-token prompt and a 5-token continuation."""
+    matches it on a 40-token prompt and a 5-token continuation. Key heads = value heads here (no repeat), the
+    default tiny row has two value heads per key head."""
     import onnx
 
-    hf = tiny_model("olmo_hybrid", **NOPE)
+    hf = tiny_model("olmo_hybrid", **NOPE, linear_num_key_heads=3, linear_num_value_heads=3)
     export(hf, tmp_path / "out", log=lambda *a: None)
     nodes = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.node
     assert not any(n.op_type == "RotaryEmbedding" for n in nodes)
@@ -28,6 +29,19 @@ def test_olmo_hybrid_nope_matches_transformers(tiny_model, tmp_path):
     first = o.forward(o.initial_state(), ids[:40], 0)
     assert_close("NoPE prefill", first.logits, h.forward(ids[:40]), 1e-4)
     assert_close("NoPE continuation", o.forward(first.state, ids[40:], 40).logits, h.forward(ids[40:]), 1e-4)
+
+
+def test_gated_deltanet_value_heads_must_be_a_multiple_of_key_heads():
+    """Each key head serves v_heads / k_heads consecutive value heads (transformers' repeat_interleave), so 4 value
+    heads over 3 key heads is refused at the spec, naming both config keys."""
+    from snapspec import SnapspecError
+    from snapspec.export.arch import olmo_hybrid
+
+    config = dict(num_hidden_layers=4, hidden_size=80, num_attention_heads=5, intermediate_size=112, vocab_size=384,
+                  linear_num_key_heads=3, linear_num_value_heads=4)
+    with pytest.raises(SnapspecError, match="linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"):
+        olmo_hybrid.spec(config)
+    assert olmo_hybrid.spec({**config, "linear_num_key_heads": 2}).v_heads == 4
 
 
 def test_new_state_kinds_in_the_table(tiny_export):

@@ -43,7 +43,7 @@ class DecoderSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class GatedDeltaNetSpec(DecoderSpec):
-    """Qwen3.5 / Qwen3-Next: partial RoPE and the shapes of the Gated DeltaNet layers."""
+    """Qwen3.5 / Qwen3-Next / OLMo-Hybrid: partial RoPE and the shapes of the Gated DeltaNet layers."""
 
     rotary_dim: int
     k_heads: int
@@ -52,6 +52,11 @@ class GatedDeltaNetSpec(DecoderSpec):
     v_dim: int
     kernel: int
     MIXER: ClassVar[str] = "gated_deltanet"
+
+    def __post_init__(self):
+        if self.v_heads % self.k_heads:  # each key head serves v_heads / k_heads consecutive value heads
+            raise SnapspecError(f"linear_num_value_heads {self.v_heads} is not a multiple of linear_num_key_heads "
+                                f"{self.k_heads}")
 
 
 def gdn_fields(config: dict) -> dict:

@@ -8,6 +8,8 @@ optional: the released checkpoints have none (a null rope_theta: NoPE; a config 
 transformers' default theta 10000). The Gated DeltaNet
 projections are separate tensors (q, k, v, a, b and the output gate g); with `linear_allow_neg_eigval` beta is
 2 * sigmoid(b); the gated output norm uses eps 1e-5 whatever rms_norm_eps says (transformers hard-codes FLA's value).
+With fewer key heads than value heads each q/k head serves Hv / Hk consecutive value heads (transformers'
+repeat_interleave), repeated in the graph as Qwen3.5's are (Decoder.gated_deltanet).
 """
 
 from __future__ import annotations
@@ -47,8 +49,6 @@ def spec(config: dict) -> Spec:
         raise SnapspecError(f"RoPE type {rope['rope_type']!r} is not supported (only 'default')")
     k_heads = config.get("linear_num_key_heads") or heads
     v_heads = config.get("linear_num_value_heads") or heads
-    if k_heads != v_heads:  # transformers' OLMo-Hybrid layer has no head repeat either
-        raise SnapspecError(f"linear_num_key_heads {k_heads} != linear_num_value_heads {v_heads} is not supported")
     k_dim = config.get("linear_key_head_dim") or int(0.75 * D / k_heads)
     head_dim = D // heads
     return Spec(
