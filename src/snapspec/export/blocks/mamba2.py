@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..graph import MS, Graph
-from .common import F32, StateEntry
+from .common import F32, StateEntry, linear_attention
 
 
 class Mamba2:
@@ -90,9 +90,7 @@ class Mamba2:
 
         k = per_head(b, "B")
         q = k if d is None else per_head(c, "C")
-        out, _ = g.op("LinearAttention", [q, k, v, past, decay], "LinearAttention", n_out=2, domain=MS,
-                      outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
-                      q_num_heads=heads, kv_num_heads=heads, update_rule="gated", scale=1.0)
+        out = linear_attention(g, [q, k, v, past, decay], present, heads, "gated", 1.0)
         if d is None:
             return None
         skip = g.op("Mul", [x_heads, g.const("D", d.reshape(heads, 1).astype(np.float32), keep_dtype=True)], "D_x")
@@ -115,20 +113,27 @@ class Mamba2:
         conv inputs (its output feeds the scan) and dt from the saved raw dt, then the scan with q := k, keeping only
         its state."""
         r = self.replay
-        conv_dim = conv_weight.shape[0]
         rb = f"rollback.{layer}."
         with r.scope(f"model/layers.{layer}/mamba"):
-            conv_out = self._causal_conv(r, rb + "conv_input", r.const("conv1d/weight", conv_weight),
-                                         f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu",
-                                         bias=r.const("conv1d/bias", conv_b) if conv_b is not None else "")
-            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
-                     ["batch", kernel - 1, conv_dim])
+            conv_out = self._replay_mamba_conv(layer, conv_weight, conv_b, kernel)
             rec_shape = ["batch", heads, d_state, head_dim]
             past_rec = r.input(f"past_recurrent_state.{layer}", F32, rec_shape)
             dt = _mamba_dt(r, rb + "dt_raw", dt_bias, heads, dt_limit)
             self._ssd(r, conv_out, dt, a, past_rec, f"present_recurrent_state.{layer}", heads, head_dim,
                       groups, d_state)
             r.output(f"present_recurrent_state.{layer}", f"present_recurrent_state.{layer}", F32, rec_shape)
+
+
+    def _replay_mamba_conv(self, layer: int, conv_weight, conv_b, kernel: int) -> str:
+        """The start of a Mamba replay (Mamba2, Mamba1): the conv over the saved conv inputs, in the export dtype,
+        with its present state written."""
+        r = self.replay
+        conv_out = self._causal_conv(r, f"rollback.{layer}.conv_input", r.const("conv1d/weight", conv_weight),
+                                     f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu",
+                                     bias=r.const("conv1d/bias", conv_b) if conv_b is not None else "")
+        r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
+                 ["batch", kernel - 1, conv_weight.shape[0]])
+        return conv_out
 
 
 def _mamba_dt(g: Graph, dt_raw: str, dt_bias, heads: int, dt_limit: tuple[float, float]) -> str:

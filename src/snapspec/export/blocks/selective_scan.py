@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..graph import MS, Graph
-from .common import F32, StateEntry
+from ..graph import Graph
+from .common import F32, StateEntry, linear_attention
 from .mamba2 import _mamba_dt
 
 
@@ -81,9 +81,7 @@ class SelectiveScan:
 
         k = per_channel(b, "B")
         q = k if c is None else per_channel(c, "C")
-        out, _ = g.op("LinearAttention", [q, k, v, past, decay], "LinearAttention", n_out=2, domain=MS,
-                      outputs=[g._unique(g._path("LinearAttention") + "/output_0"), present],
-                      q_num_heads=inner, kv_num_heads=inner, update_rule="gated", scale=1.0)
+        out = linear_attention(g, [q, k, v, past, decay], present, inner, "gated", 1.0)
         if c is None:
             return None
         y = g.op("Add", [out, g.op("Mul", [u, g.const("D", np.asarray(d, np.float32), keep_dtype=True)], "D_x")],
@@ -96,11 +94,7 @@ class SelectiveScan:
         r = self.replay
         rb = f"rollback.{layer}."
         with r.scope(f"model/layers.{layer}/mamba"):
-            u = self._causal_conv(r, rb + "conv_input", r.const("conv1d/weight", conv_weight),
-                                  f"past_conv_state.{layer}", f"present_conv_state.{layer}", "silu",
-                                  bias=r.const("conv1d/bias", conv_b) if conv_b is not None else "")
-            r.output(f"present_conv_state.{layer}", f"present_conv_state.{layer}", r.onnx_dtype,
-                     ["batch", kernel - 1, inner])
+            u = self._replay_mamba_conv(layer, conv_weight, conv_b, kernel)
             rec_shape = ["batch", inner, d_state, 1]
             past_rec = r.input(f"past_recurrent_state.{layer}", F32, rec_shape)
             dt = _mamba_dt(r, rb + "dt_raw", dt_bias, inner, (0.0, float("inf")))
