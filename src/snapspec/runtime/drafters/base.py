@@ -104,3 +104,16 @@ class Drafter(ABC):
         allowed = None if self.constraint is None else self.constraint.allowed(seq + drafted)
         with self.stats.timed("sampling"):
             return pick(rows.logits[-1], self.sampling, self.rng, allowed)
+
+    def draft_steps(self, rows, seq: list[int], k: int, step, where: str) -> Draft:
+        """k draft tokens chosen one at a time (choose), from `rows` for the first and from step(token, rows) (one
+        forward of the drafter fed that token) for each next one."""
+        tokens, q = [], []
+        for i in range(k):
+            d, dist = self.choose(rows, seq, tokens, where)
+            if dist is not None:
+                q.append(dist)
+            tokens.append(d)
+            if i + 1 < k:
+                rows = step(d, rows)
+        return Draft(tokens, q)

@@ -51,16 +51,8 @@ class ModelDrafter(Drafter):
         st.drafter_forwards += k
         if not logits and self.chain and ctx.chains:
             return Draft([], device=ctx.draft(seq[ctx.n_past:], k))
-        tokens, q = [], []
         rows = ctx.forward(seq[ctx.n_past:], keep=1, logits=logits)
-        for i in range(k):
-            d, dist = self.choose(rows, seq, tokens, "the drafter")
-            if dist is not None:
-                q.append(dist)
-            tokens.append(d)
-            if i + 1 < k:
-                rows = ctx.forward([d], keep=1, logits=logits)
-        return Draft(tokens, q)
+        return self.draft_steps(rows, seq, k, lambda d, _: ctx.forward([d], keep=1, logits=logits), "the drafter")
 
     def accepted(self, j: int, verify=None) -> str | None:
         if self._round is None:  # a plain target step: nothing drafted, nothing to undo

@@ -110,17 +110,13 @@ class MtpDrafter(Drafter):
             st.drafter_forwards += k
             return self._draft
         rows = self._catch_up(seq, n - 1, last=True)  # pairs up to n - 2: its last row predicts t_n
-        tokens, q = [], []
-        for i in range(k):
-            d, dist = self.choose(rows, seq, tokens, "the MTP head")
-            if dist is not None:
-                q.append(dist)
-            tokens.append(d)
-            if i + 1 < k:
-                rows = self.head.forward([d], rows.hidden[-1:], logits=self.wants_logits)
-                st.drafter_forwards += 1
-        self._draft = Draft(tokens, q)
+        st.drafter_forwards += k - 1
+        self._draft = self.draft_steps(rows, seq, k, self._step, "the MTP head")
         return self._draft
+
+    def _step(self, token: int, rows):
+        """One chained head step: the draft token with the head's own output hidden."""
+        return self.head.forward([token], rows.hidden[-1:], logits=self.wants_logits)
 
     def accepted(self, j: int, verify=None) -> str | None:
         hidden = getattr(verify, "hidden", None)
