@@ -1,6 +1,7 @@
 """The chat front door (runtime/prompt.py) is the one place messages become token ids and end-of-turn stops:
-generate(), ChatSession and `generate --chat` give what it gives; plain mode joins the contents; a base model is
-refused for chat in one line and served for text; and runtime/generation.py no longer imports runtime/chat.py."""
+generate(), ChatSession and `generate --chat` give what it gives; plain mode ends each message with a newline (and a
+turn reuses the whole last one); a base model is refused for chat in one line and served for text; and
+runtime/generation.py no longer imports runtime/chat.py."""
 
 from __future__ import annotations
 
@@ -48,11 +49,25 @@ def test_every_caller_starts_from_the_front_door(chat_model):
     assert not ignoring.eos  # ignoring EOS ignores the end of turn too
 
 
-def test_plain_mode_joins_the_contents(chat_model):
+def test_plain_mode_ends_each_message_with_a_newline(chat_model):
     plain = FrontDoor(chat_model, plain=True).chat(MESSAGES)
-    assert plain.ids == FrontDoor(chat_model).text("Be brief.for i in range(3):").ids
+    assert plain.ids == FrontDoor(chat_model).text("Be brief.\nfor i in range(3):\n").ids
     assert plain.base == len(plain.ids) - 1 and plain.stop_ids
     assert generate(chat_model, MESSAGES, raw=True, max_new_tokens=2).prompt == plain.ids
+
+
+def test_plain_turns_reuse_the_whole_last_turn(chat_model):
+    """A plain-text conversation's next prompt is the last prompt, the reply as generated and the new message: the
+    prompt cache keeps all of it and prefills only the new message and its newline."""
+    session = ChatSession(chat_model, raw=True, max_new_tokens=6, stop_at_eos=False)
+    "".join(session.reply("for i in range(3):"))
+    first = session.last
+    "".join(session.reply("print(i)"))
+    second = session.last
+    assert session.messages[1]["content"] and second.prompt[:len(first.seq)] == first.seq
+    assert second.prompt[len(first.seq):] == chat_model.tokenizer.encode("\nprint(i)\n", add_special_tokens=False).ids
+    held = len(first.seq) - 1  # the reply's last token was sampled, never fed to the model
+    assert second.stats.prompt_reused == held and second.stats.prompt_prefilled == len(second.prompt) - held
 
 
 def test_a_base_model_is_refused_for_chat_and_served_for_text(tiny_export):

@@ -205,11 +205,11 @@ def test_generate_chat_flags(pair, tmp_path):
                              {"role": "user", "content": "for i in range(10):"}], max_new_tokens=8)
     assert out["token_ids"] == want.tokens and out["stats"]["prompt_tokens"] == len(want.prompt)
     raw = run("--chat", "--no-chat-template", "--prompt", "for i in range(10):")
-    plain = FrontDoor(target).text("for i in range(10):").ids
+    plain = FrontDoor(target).text("for i in range(10):\n").ids  # plain chat: each message ends in a newline
     assert plain[0] == target.tokenizer.token_to_id("<|startoftext|>")  # BOS as this tokenizer adds it
     assert raw["token_ids"] == generate(target, plain, max_new_tokens=8).tokens
     assert raw["stats"]["prompt_tokens"] == len(plain)
-    piped = run("--prompt-file", "-", stdin="for i in range(10):")
+    piped = run("--prompt-file", "-", stdin="for i in range(10):\n")
     assert piped["token_ids"] == raw["token_ids"]
     assert out["threads"] == {"target": 1}
 

@@ -7,8 +7,10 @@ generation prompt ends (a PromptCache marks the state there), and the end-of-tur
 - Messages with a chat template: the template with the generation prompt (template.py). The reply stops at the
   export's EOS ids and at the tokenizer config's eos_token, which chat models set to their end-of-turn token
   (<|im_end|>) while generation_config.json may list only end-of-text.
-- Messages with plain=True (`--no-chat-template`): the contents joined as plain text, BOS as the tokenizer adds it;
-  the model continues the text. Same stops.
+- Messages with plain=True (`--no-chat-template`): each message's content followed by a newline (PLAIN_END), as
+  plain text, BOS as the tokenizer adds it; the model continues the text, its reply starting on a line of its own.
+  A turn's prompt is then the last turn's prompt, the reply and the new message: the text the model saw and wrote,
+  so a PromptCache keeps all of it and prefills only the new message. Same stops.
 - Messages to a model without a chat template (a base model) and plain=False: NoChatTemplate, a one-line error that
   says why and what to use instead. There is no invented fallback format: a base model was not trained on one, and
   text it continues from a made-up "User:/Assistant:" layout would pass for the model's chat behaviour.
@@ -22,6 +24,9 @@ from dataclasses import dataclass, field
 from snapspec import SnapspecError
 
 from .template import ChatFormat, normalize_messages
+
+
+PLAIN_END = "\n"  # what ends each message in plain mode (module doc)
 
 
 class NoChatTemplate(SnapspecError):
@@ -39,7 +44,8 @@ class FrontDoor:
     """How one model turns messages, text and token ids into a Prompt (module doc)."""
 
     def __init__(self, model, *, plain: bool = False):
-        """plain: render messages as their contents joined (no chat template), as `--no-chat-template`."""
+        """plain: render messages as their contents, each ending in a newline (no chat template), as
+        `--no-chat-template`."""
         self.model = model
         self.format = ChatFormat.from_folder(model.folder, model.tokenizer)
         self.plain = plain
@@ -62,7 +68,7 @@ class FrontDoor:
         (enable_thinking)."""
         self.require_chat()
         if self.plain:
-            ids = self.format.encode_text("".join(_text(m.get("content", ""))
+            ids = self.format.encode_text("".join(_text(m.get("content", "")) + PLAIN_END
                                                   for m in normalize_messages(messages)))
             return Prompt(ids, max(len(ids) - 1, 0), self.format.end_of_turn_ids)
         ids = self.format.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
