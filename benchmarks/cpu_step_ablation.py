@@ -2,7 +2,7 @@
 and the weight MatMuls alone, each in a process of its own, interleaved with llama.cpp on the same GGUF.
 
     python benchmarks/cpu_step_ablation.py /tmp/pa_T --gguf a-target-f32.gguf --llama LLAMA_BIN --threads 1,2 \
-        --rounds 3 --json benchmarks/results/cpu/step-ablation/pair-a-fp32.json
+        --rounds 3 --json benchmarks/results/cpu/step-ablation/<name>.json
 
 Per round and thread count, one process each (a session whose pool spins must be alone: a second session's spinning
 worker holds one of the cores the measured one needs, which inflated the floor column of cpu_step_profile.py at 2+

@@ -14,7 +14,7 @@ node count, the sum of kernel times against each `model_run`, so that
   host                 = step - run              (Python, IOBinding, argmax read-back)
 
 python benchmarks/cpu_step_profile.py /tmp/pa_T --gguf a-target-f32.gguf --llama LLAMA_BIN --threads 1,2 \
-    --json benchmarks/results/cpu/step-profile-pair-a.json
+    --json benchmarks/results/cpu/step-profile/<name>.json
 """
 
 from __future__ import annotations

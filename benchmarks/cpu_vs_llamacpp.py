@@ -11,7 +11,7 @@ of llama-speculative-simple). acceptance: accepted / drafted summed. Every snaps
 snapspec's plain text (the run fails otherwise); llama.cpp's speculative text is compared with its own plain text.
 
 python benchmarks/cpu_vs_llamacpp.py --target T --drafter D --gguf T.gguf --drafter-gguf D.gguf --llama LLAMA_BIN \
-    --prompts ../shared/models/pair-a/prompts.jsonl --quick --json benchmarks/results/cpu/vs-llamacpp-pair-a.json
+    --prompts ../shared/models/pair-a/prompts.jsonl --quick --json benchmarks/results/cpu/vs-llamacpp-<name>.json
 """
 
 from __future__ import annotations

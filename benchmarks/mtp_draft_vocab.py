@@ -2,7 +2,7 @@
 subset, in one run (issue 26).
 
     python benchmarks/mtp_draft_vocab.py --targets /tmp/dv/T-all /tmp/dv/T-2048 ... --prompts P/prompts.jsonl \
-        --json benchmarks/results/mtp/draft-vocab.json
+        --json benchmarks/results/mtp/draft-vocab-<name>.json
     python benchmarks/mtp_draft_vocab.py --targets /tmp/q08/T-full /tmp/q08/T-32k --costs-only --json ...
 
 Each TARGET is one export of the same checkpoint (`snapspec export CKPT -o T --mtp-vocab N [--mtp-vocab-from ...]`).

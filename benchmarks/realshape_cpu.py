@@ -2,7 +2,7 @@
 
     python benchmarks/realshape_cpu.py --ckpts /work/ckpts --work /tmp/rs --models qwen35-0.8b \
         --spec qwen35-4b:qwen35-0.8b --pair-a-bench benchmarks/results/cpu/pair-a-cpu-int4-level4.json \
-        --json benchmarks/results/real-shapes-cpu/run.json
+        --json benchmarks/results/real-shapes-cpu/<name>.json
 
 For each model and variant (fp32 against llama.cpp's F32 GGUF, int4 against Q4_0): prefill tokens/s at each
 `--prompts` length, decode tokens/s (`--decode` greedy one-token steps from an empty context, as llama-bench's tg),

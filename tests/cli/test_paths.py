@@ -1,7 +1,8 @@
 """Every path the repository names exists, and every raw benchmark result is named.
 
-Where paths are read: the text files (.py, .md, .sh, .js, .html, .css, .toml, .yml) under src/, scripts/ and docs/,
-and README.md, BENCHMARKS.md and pyproject.toml (mkdocs.yml's navigation is tests/cli/test_docs.py's).
+Where paths are read: the text files (.py, .md, .sh, .js, .html, .css, .toml, .yml) under src/, scripts/, docs/,
+benchmarks/ and tests/, and README.md, BENCHMARKS.md and pyproject.toml; not this file, whose examples name missing
+paths on purpose, nor mkdocs.yml, whose navigation is tests/cli/test_docs.py's.
 
 What a path is (PATH): names joined by `/` that start a word, the first of them a top-level folder of the checkout
 (benchmarks, docs, scripts, src, tests) or a subpackage of snapspec (`runtime/pair.py`, `export/ring.py`, as code
@@ -35,7 +36,7 @@ from paths import REPO
 PACKAGE = REPO / "src" / "snapspec"
 TOP = ("benchmarks", "docs", "scripts", "src", "tests")
 SUBPACKAGES = tuple(sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
-READ = ("src", "scripts", "docs", "README.md", "BENCHMARKS.md", "pyproject.toml")
+READ = ("src", "scripts", "docs", "benchmarks", "tests", "README.md", "BENCHMARKS.md", "pyproject.toml")
 SUFFIXES = (".py", ".md", ".sh", ".js", ".html", ".css", ".toml", ".yml")
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -91,7 +92,7 @@ def _texts() -> list[Path]:
         for path in sorted(top.rglob("*")) if top.is_dir() else [top]:
             if path.suffix in SUFFIXES and not any(p == "__pycache__" or p.endswith(".egg-info") for p in path.parts):
                 files.append(path)
-    return files
+    return [f for f in files if f != Path(__file__).resolve()]
 
 
 def unnamed(results: list[str], texts: list[str]) -> list[str]:

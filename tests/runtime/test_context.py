@@ -235,7 +235,7 @@ def test_attention_mask_is_a_view_of_one_buffer(model, monkeypatch):
 def test_int4_verify_equals_steps_at_the_end_of_the_context(model, arch):
     """An int4 export (accuracy level 4) in a context sized exactly to a prompt and a 5-token verify: the verify's
     ids and logits equal five one-token steps bit for bit, up to the very last position (the KV buffer's spare row
-    leaves room for the attention's spare query row, src/snapspec/export/blocks.py)."""
+    leaves room for the attention's spare query row, src/snapspec/export/blocks/attention.py)."""
     m = model(arch, quant="int4", block_size=16)
     ids = list(np.random.default_rng(3).integers(1, m.vocab_size, 25))
     verify, steps = Policy(m).open(m, 25), Policy(m).open(m, 25)

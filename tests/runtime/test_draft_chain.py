@@ -3,7 +3,8 @@
 On CPU the fixed-address path runs without capture and the stream's copies run at once, but the data flow is the
 one CUDA queues: each step's ids come from the argmax of the step before, copied device to device, and the host
 reads the k draft tokens once. A chained draft must give the tokens, the state and the rollback reach of k one-step
-drafts, and speculation with it must equal plain greedy decoding. tests/test_gpu.py runs the same on CUDA graphs.
+drafts, and speculation with it must equal plain greedy decoding. tests/runtime/test_gpu.py runs the same on CUDA
+graphs.
 """
 
 from __future__ import annotations

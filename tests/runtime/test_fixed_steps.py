@@ -4,7 +4,7 @@ regions (src/snapspec/runtime/device/copy.py).
 On CPU nothing is captured, but the path is the same one a captured step takes: token ids, positions and a
 full-context attention mask packed in one buffer rewritten in place, every output in a buffer of its own, the state
 bound by key. Its forwards must equal ordinary ones through prefills, one- and multi-token steps and rollbacks (ring
-and replay). tests/test_gpu.py checks the captured replays themselves on CUDA.
+and replay). tests/runtime/test_gpu.py checks the captured replays themselves on CUDA.
 """
 
 from __future__ import annotations

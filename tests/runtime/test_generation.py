@@ -59,7 +59,7 @@ def test_stop_strings_decode_each_token_once(model, monkeypatch):
 def test_device_copy_verdict_is_per_context(monkeypatch):
     """A copier whose provider registers no device-to-device transfer for onnxruntime.copy_tensors sends its own
     copies through the host, and says so (kind); another context's copier still copies on the device. (CUDA copies
-    go through the CUDA runtime instead: tests/test_gpu.py checks them on a GPU.)"""
+    go through the CUDA runtime instead: tests/runtime/test_gpu.py checks them on a GPU.)"""
     import onnxruntime as ort
 
     class Value:

@@ -152,8 +152,8 @@ def test_chained_drafts_on_cuda_graphs(tiny_export, target, drafter):
     read) give the tokens and state of one-step drafts read back each step, through rounds with rollbacks; and
     speculation with them gives the tokens of speculation with one-step drafts for k = 1..7 (the same verify inputs:
     equal exactly), every round bounded. (Equality with plain greedy decoding is the contract's, checked on CPU in
-    tests/test_draft_chain.py and on pair-a in the H200 benchmark: on CUDA's fp16 kernels a k+1-token verify of these
-    random models can round a near-tie differently from one-token steps.)"""
+    tests/runtime/test_draft_chain.py and on pair-a in the H200 benchmark: on CUDA's fp16 kernels a k+1-token verify
+    of these random models can round a near-tie differently from one-token steps.)"""
     from test_draft_chain import _one_step_draft
 
     _need("cuda")

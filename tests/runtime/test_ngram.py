@@ -173,8 +173,9 @@ def test_partial_acceptance_every_mode(looping, arch):
 
 
 def test_window_mode_on_the_scan_stand_in(tmp_path):
-    """The target on a state-window graph (tests/test_window_cpu.py's Scan model, as CUDA would run it): rounds of up
-    to W-1 drafts roll back by picking a state, longer ones take the checkpoint path; output == plain for k = 1..8."""
+    """The target on a state-window graph (tests/runtime/test_window_cpu.py's Scan model, as CUDA would run it): rounds
+    of up to W-1 drafts roll back by picking a state, longer ones take the checkpoint path; output == plain for
+    k = 1..8."""
     from test_window_cpu import W, _make
 
     from snapspec.runtime import load
@@ -214,9 +215,9 @@ def test_pair_a_greedy_equals_plain_every_mode(tmp_path_factory):
 
 @pytest.mark.parametrize("k,top_k", [(2, 0), (3, 3)])
 def test_sampled_law_with_ngram_drafts(k, top_k):
-    """Synthetic target conditionals over 5 tokens (tests/test_sampling.py); drafts from the n-gram drafter over a
-    prompt in which every token occurs, so every round drafts; top-k 3 makes some drafts impossible for the target.
-    The first two emitted tokens follow the target's joint law."""
+    """Synthetic target conditionals over 5 tokens (tests/runtime/test_sampling.py); drafts from the n-gram drafter
+    over a prompt in which every token occurs, so every round drafts; top-k 3 makes some drafts impossible for the
+    target. The first two emitted tokens follow the target's joint law."""
     from test_sampling import V, _logits as _uncached
 
     memo: dict = {}
