@@ -22,8 +22,9 @@ for ep in cuda webgpu; do
     [ "$mode" = replay ] && [ "$ep" != cuda ] && continue
     python3 -m snapspec.cli.main conformance --target "$pair/target" --drafter "$pair/drafter" --ep "$ep" \
       --rollback "$mode" --json "$out/conformance-$ep-$mode.json" 2>&1 | tee "$out/conformance-$ep-$mode.txt"
+    bench_mode=$([ "$mode" = auto ] && echo both || echo "$mode")  # auto: beside the checkpoint baseline
     python3 -m snapspec.cli.main bench --target "$pair/target" --drafter "$pair/drafter" --ep "$ep" \
-      --rollback "$mode" --prompts "$pair/prompts.jsonl" --limit 8 --k 1,2,3,4,6 --reps 2 \
-      --max-new-tokens 128 --rollback both --json "$out/bench-$ep-$mode.json" 2>&1 | tee "$out/bench-$ep-$mode.txt"
+      --rollback "$bench_mode" --prompts "$pair/prompts.jsonl" --limit 8 --k 1,2,3,4,6 --reps 2 \
+      --max-new-tokens 128 --json "$out/bench-$ep-$mode.json" 2>&1 | tee "$out/bench-$ep-$mode.txt"
   done
 done

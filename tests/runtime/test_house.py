@@ -29,48 +29,11 @@ def _modules():
         yield ".".join(parts), path, path.name == "__init__.py"
 
 
-def _imports(name: str, path, is_package: bool) -> set[str]:
-    """Every snapspec module this one imports, at module level or inside a function."""
-    base = name.split(".") if is_package else name.split(".")[:-1]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("snapspec")}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                mod = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            if mod.startswith("snapspec"):
-                out.add(mod)
-                out |= {f"{mod}.{a.name}" for a in node.names}  # `from . import x` may name a module
-    return out
-
-
 def test_no_import_circles():
-    modules = {name: (path, pkg) for name, path, pkg in _modules()}
-    graph = {name: {m for m in _imports(name, path, pkg) if m in modules and m != name}
-             for name, (path, pkg) in modules.items()}
-    # a package's __init__ importing its own submodules is how packages work, not a circle
-    for name in graph:
-        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
-        graph[name] -= {p for p in graph if name.startswith(p + ".")}
-    state, stack = {}, []
-
-    def visit(n):
-        state[n] = "open"
-        stack.append(n)
-        for m in sorted(graph[n]):
-            if state.get(m) == "open":
-                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(m):] + [m]))
-            if m not in state:
-                visit(m)
-        stack.pop()
-        state[n] = "done"
-
-    for n in sorted(graph):
-        if n not in state:
-            visit(n)
+    """No circle, counting imports inside functions too (tests/import_graph.py, the one import checker)."""
+    from import_graph import find_cycle, graph
+    cycle = find_cycle(graph(lazy=True))
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
 def _calls(name: str) -> list[str]:

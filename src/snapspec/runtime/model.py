@@ -185,7 +185,7 @@ def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
         opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # Memory patterns are cached per input shape, and the attention mask has a new shape at every position: with
-    # them on, resident memory grows ~6 KB per position decoded (tests/test_long_run.py), at no gain in speed.
+    # them on, resident memory grows ~6 KB per position decoded (tests/runtime/test_long_run.py), at no gain in speed.
     opts.enable_mem_pattern = False
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return opts
