@@ -83,6 +83,7 @@ def test_default_is_plain_best_k_and_auto(tiny_export, prompts, tmp_path, monkey
     assert [c["label"] for c in r["configs"]] == [f"k={probe['k']}", "k=auto"]
     assert probe["predicted_speedup"][str(probe["k"])] == max(probe["predicted_speedup"].values())
     assert r["settings"]["rollback"] == ["auto"] and r["best_fixed"]["label"] == f"k={probe['k']}"
+    assert "lookup_hit_rate" not in probe and r["drafter_kinds"] == {"out": "model"}  # a model looks nothing up
     assert seen[0] == ("phase", "cost model (out)")  # loading was the bar's first step, shown before this
     completed, total = seen[-1][1]
     # loading + cost model + probe (1 prompt) + 1 rep x (plain, k, auto, plain)
@@ -96,6 +97,7 @@ def test_the_probe_picks_a_k_for_a_lookup_drafter_too(tiny_export, prompts, tmp_
     r = json.loads(out.read_text())
     probe = r["settings"]["probe"]["ngram 1-4"]
     assert 0.0 <= probe["lookup_hit_rate"] <= 1.0 and 0.0 <= probe["acceptance"] <= 1.0
+    assert r["drafter_kinds"] == {"ngram 1-4": "ngram"}
     assert [c["label"] for c in r["configs"]] == [f"k={probe['k']}", "k=auto"]
 
 
@@ -184,3 +186,42 @@ def test_table_fits_80_columns_at_its_widest():
     _fits_80(text)
     for number in ("1234.5", "12.34x*", "10.01-13.99", "12.50x", "0.987", "98.7%", "8.76", "12.3%"):
         assert number in text, number
+
+
+def test_header_says_which_acceptance_is_which():
+    """Two acceptances for one drafter: the probe line says it is its own untimed pass at k_max, the legend that the
+    table's is at the row's k. A lookup hit rate only for the n-gram drafter; the MTP head's cost model step and
+    the drafter model's threads named as what they are."""
+    drafters = ["pa_drafter", "ngram 1-4", "mtp"]
+    kinds = {"pa_drafter": "model", "ngram 1-4": "ngram", "mtp": "mtp"}
+    configs = [_row(f"{d} k=3", d, 3, hits=kinds[d] == "ngram") for d in drafters]
+    cost = {"C": [1.0 + 0.1 * n for n in range(9)], "c": 0.1234, "r": 0.123, "target_step_ms": 12.34}
+    spread = {"median": 1234.5, "min": 1000.0, "max": 1300.0}
+    probe = {d: {"k_max": 8, "acceptance": 0.5, "k": 3, "predicted_speedup": {"3": 1.5},
+                 **({"lookup_hit_rate": 0.25} if kinds[d] == "ngram" else {})} for d in drafters}
+    result = {"plain": {"before": spread, "after": spread, "drift": {"median": 0.01, "min": 0.0, "max": 0.02}},
+              "drafters": drafters, "drafter_kinds": kinds, "cost_models": {d: cost for d in drafters},
+              "configs": configs, "per_drafter": {d: {"best_fixed": None} for d in drafters},
+              "settings": {"prompts": 16, "max_new_tokens": 128, "reps": 3, "probe": probe},
+              "provenance": {"snapspec": "0.1.0", "git": "abcdef0", "onnxruntime": "1.32.0",
+                             "providers": {"target": ["CPUExecutionProvider"]},
+                             "threads": {"target": 2, "drafter": 1}, "cpu": "AMD EPYC", "cores": 2}}
+    con = Console(width=200, file=io.StringIO(), record=True)
+    print_table(result, con)
+    lines = con.export_text().splitlines()
+    probes = [line for line in lines if line.startswith("probe (")]
+    assert len(probes) == 3 and all("one untimed pass at k_max = 8: acceptance 0.500" in line for line in probes)
+    assert ["lookup hits" in line for line in probes] == [False, True, False]
+    assert any("accept: accepted per drafted token at the row's k" in line for line in lines)
+    costs = {line.split(")")[0]: line for line in lines if line.startswith("cost model (")}
+    assert "; drafter step c" in costs["cost model (pa_drafter"] and "; lookup c" in costs["cost model (ngram 1-4"]
+    assert "; MTP head step c" in costs["cost model (mtp"]
+    assert "threads target 2, drafter pa_drafter 1," in lines[0]
+
+
+def test_the_probe_keeps_a_hit_rate_for_lookups_only():
+    from snapspec.bench.summary import _probe
+    probe = {"d": {"k": 2, "lookup_hit_rate": 1.0}, "ngram 2-4": {"k": 5, "lookup_hit_rate": 0.3}}
+    assert _probe(probe, {"d": "model", "ngram 2-4": "ngram"}) == {"d": {"k": 2},
+                                                                   "ngram 2-4": {"k": 5, "lookup_hit_rate": 0.3}}
+    assert _probe(None, {}) is None

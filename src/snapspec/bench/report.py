@@ -11,8 +11,10 @@ from rich.table import Table
 
 COLUMNS = (("config", False), ("tok/s", True), ("speedup", True), ("min-max", True), ("model", True),
            ("accept", True), ("tok/\nround", True), ("rollback\ntime", True))
-LEGEND = ("model: the cost model's speedup; accept: accepted per drafted token; {hits}tok/round: tokens per round; "
-          "rollback time: its share of decoding")
+LEGEND = ("model: the cost model's speedup; accept: accepted per drafted token at the row's k (the probe's "
+          "acceptance above is its own pass at k_max); {hits}tok/round: tokens per round; rollback time: its share "
+          "of decoding")
+STEP = {"model": "drafter step", "ngram": "lookup", "mtp": "MTP head step"}  # what the cost model's c times
 
 
 def print_table(result: dict, con) -> None:
@@ -37,21 +39,28 @@ def print_table(result: dict, con) -> None:
 def _header(result: dict, con) -> None:
     p, prov, s = result["plain"], result["provenance"], result["settings"]
     con.print(f"snapspec {prov['snapspec']} ({prov['git']}), onnxruntime {prov['onnxruntime']} "
-              f"{prov['providers']['target']}, threads {_threads(prov['threads'])}, {prov['cpu']} "
+              f"{prov['providers']['target']}, threads {_threads(prov['threads'], result)}, {prov['cpu']} "
               f"({prov['cores']} cores)")
     con.print(f"{s['prompts']} prompts x {s['max_new_tokens']} tokens, {s['reps']} reps, greedy; speculative text "
               "equals plain greedy text in every run")
     con.print(f"plain decoding: {p['before']['median']:.1f} tok/s before, {p['after']['median']:.1f} after "
               f"(drift median {p['drift']['median']:.1%}, max {p['drift']['max']:.1%})")
     for name, cm in result["cost_models"].items():
-        step = "lookup" if name.startswith("ngram") else "drafter step"
+        step = STEP[_kind(result, name)]
         con.print(f"cost model ({name}): C(n) = " + ", ".join(f"{x:.2f}" for x in cm["C"]) +
                   f"; {step} c = {cm['c']:.4f}; rollback r = {cm['r']:.3f} (unit: {cm['target_step_ms']:.2f} ms)")
     for name, pr in (s.get("probe") or {}).items():
-        con.print(f"probe ({name}): acceptance {pr['acceptance']:.3f}" +
-                  (f", lookup hits {pr['lookup_hit_rate']:.1%}" if name.startswith("ngram") else "") +
+        hits = _kind(result, name) == "ngram" and "lookup_hit_rate" in pr
+        con.print(f"probe ({name}), one untimed pass at k_max = {pr['k_max']}: acceptance {pr['acceptance']:.3f}" +
+                  (f", lookup hits {pr['lookup_hit_rate']:.1%}" if hits else "") +
                   f"; the cost model's best fixed k = {pr['k']} "
-                  f"({pr['predicted_speedup'][str(pr['k'])]:.2f}x predicted)")
+                  f"({pr['predicted_speedup'][str(pr['k'])]:.2f}x predicted), measured below")
+
+
+def _kind(result: dict, name: str) -> str:
+    """model, ngram or mtp (summary.py's drafter_kinds; from the label for a result written before it)."""
+    kind = result.get("drafter_kinds", {}).get(name)
+    return kind or ("ngram" if name.startswith("ngram ") else "mtp" if name == "mtp" else "model")
 
 
 def _table(result: dict, name: str) -> Table:
@@ -119,7 +128,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.legend(fontsize=8)
     prov = result["provenance"]
     fig.suptitle(f"snapspec bench ({prov['git']}, onnxruntime {prov['onnxruntime']}, "
-                 f"threads {_threads(prov['threads'])})", fontsize=9)
+                 f"threads {_threads(prov['threads'], result)})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -147,8 +156,11 @@ def _plot_drafter(ax1, ax2, mine: list[dict], tag: str) -> None:
         ax1.axhline(auto["speedup"]["median"], color=color, alpha=0.5, ls="--", label=tag + "adaptive k")
 
 
-def _threads(threads) -> str:
-    """The provenance's thread counts for people: None (onnxruntime's default) in words."""
+def _threads(threads, result: dict | None = None) -> str:
+    """The provenance's thread counts for people: None (onnxruntime's default) in words, and "drafter" (the threads
+    of the drafter model, the one drafter that has a session of its own) named by its folder."""
     if not isinstance(threads, dict):
         return str(threads)
-    return ", ".join(f"{k} {'onnxruntime default' if v is None else v}" for k, v in threads.items())
+    models = [n for n in (result or {}).get("drafters", []) if _kind(result, n) == "model"]
+    name = {"drafter": f"drafter {models[0]}"} if len(models) == 1 else {}
+    return ", ".join(f"{name.get(k, k)} {'onnxruntime default' if v is None else v}" for k, v in threads.items())

@@ -18,18 +18,35 @@ def summarize(bench, plan: Plan, labels: list[str], configs: list[Config], plain
     rows = [_row(cfg, labels[cfg.source], bench.costs[cfg.source], drift) for cfg in configs]
     per_drafter = {name: _best(rows, name) for name in labels}
     first = per_drafter[labels[0]] if labels else {"best_fixed": None, "adaptive_vs_best": None}
+    kinds = {name: _kind(d) for name, d in zip(labels, bench.drafters)}
     return {
         "genai": _genai(bench, configs, plain, genai_tps) if genai_tps else None,
         "plain": {key: figures.spread(v) for key, v in plain.items()},
         "drafters": labels,
+        "drafter_kinds": kinds,  # model, ngram or mtp: what each drafter's cost model step and probe figures are
         "cost_model": _costs_dict(bench.costs[0]) if labels else None,  # the first drafter's; all in cost_models
         "cost_models": {name: _costs_dict(c) for name, c in zip(labels, bench.costs)},
         "configs": rows,
         **first,  # best_fixed, adaptive_vs_best of the first drafter; all of them in per_drafter
         "per_drafter": per_drafter,
         "settings": {**settings, "plan": plan.name, "ks": sorted({c.k for c in configs if c.k != "auto"}),
-                     "rollback": list(plan.modes), "probe": probe, "window": bench.window, "greedy": True},
+                     "rollback": list(plan.modes), "probe": _probe(probe, kinds), "window": bench.window,
+                     "greedy": True},
     }
+
+
+def _kind(drafter) -> str:
+    from snapspec.runtime.drafters import MtpDrafter, NgramDrafter
+    return "ngram" if isinstance(drafter, NgramDrafter) else "mtp" if isinstance(drafter, MtpDrafter) else "model"
+
+
+def _probe(probe: dict | None, kinds: dict[str, str]) -> dict | None:
+    """The probe's figures per drafter; a lookup hit rate only for a drafter that looks drafts up (a model or a head
+    drafts at every step: it has none)."""
+    if probe is None:
+        return None
+    return {name: {key: v for key, v in p.items() if key != "lookup_hit_rate" or kinds[name] == "ngram"}
+            for name, p in probe.items()}
 
 
 def _row(cfg: Config, drafter: str, costs, drift: float) -> dict:
