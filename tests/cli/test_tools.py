@@ -114,6 +114,7 @@ def test_conformance_passes_and_flags_edited_files(tiny_export, tmp_path, capsys
     good = tiny_export("lfm2")
     assert main(["conformance", "--target", str(good), "--drafter", str(tiny_export("qwen3")), "--threads", "1",
                  "--max-new-tokens", "12"]) == 0
+    assert "0.00e+00" not in capsys.readouterr().out  # an error of exactly 0 reads "exact (every error 0; ...)"
     edited = tmp_path / "edited"
     shutil.copytree(good, edited)
     (edited / "tokenizer_config.json").write_text("{}")
@@ -122,6 +123,19 @@ def test_conformance_passes_and_flags_edited_files(tiny_export, tmp_path, capsys
     (check,) = json.loads(report.read_text())["checks"]
     assert not check["passed"] and "tokenizer_config.json" in check["detail"]
     assert "changed after export" in check["detail"]
+
+
+@pytest.mark.parametrize("detail,shown", [
+    ("worst logits: rel err 0.00e+00 (tol 1e-04)", "exact (every error 0; tol 1e-04)"),
+    ("worst rel err 0.00e+00 at j=0 past_key_values.2.key (tol 1e-04); modes used ['replay']",
+     "exact (every error 0; tol 1e-04); modes used ['replay']"),
+    ("worst rel err 3.10e-07 at j=2 past_key_values.0.key (tol 1e-04)",
+     "worst rel err 3.10e-07 at j=2 past_key_values.0.key (tol 1e-04)"),
+])
+def test_conformance_says_exact_when_every_error_is_zero(detail, shown):
+    """A worst error of 0 has no place worth naming ("at j=0 ..." was the first one looked at): it says exact."""
+    from snapspec.cli.conformance import readable
+    assert readable(detail) == shown
 
 
 def test_info(tiny_export, capsys):
