@@ -187,6 +187,25 @@ def test_doctor_explains_each_provider(capsys):
         assert why.startswith("available") == (ep in info["snapspec_providers"]), (ep, why)
 
 
+@pytest.mark.parametrize("here", ["1.32.0", "1.31.1"])
+def test_doctor_says_why_the_gpu_wheel_is_another_version(monkeypatch, here):
+    """The CUDA line installs onnxruntime-gpu 1.31.1 (the newest GPU build) beside a CPU onnxruntime 1.32.0: it says
+    that the GPU wheel replaces this onnxruntime and what version that leaves; nothing to explain when they match."""
+    import onnxruntime
+
+    from snapspec.cli.doctor import diagnose
+    from snapspec.runtime import providers
+    monkeypatch.setattr(onnxruntime, "__version__", here)
+    monkeypatch.setattr(providers, "available", lambda: ["cpu"])
+    cuda = diagnose()["verdict"]["cuda"]
+    assert f"onnxruntime-gpu=={providers.CUDA_WHEEL}" in cuda and providers.CUDA_WHEEL == "1.31.1"
+    if here == "1.31.1":
+        assert "replaces" not in cuda
+    else:
+        assert "onnxruntime-gpu 1.31.1 (the newest GPU build" in cuda
+        assert "replaces this onnxruntime 1.32.0: onnxruntime becomes 1.31.1" in cuda
+
+
 def test_bench_vs_genai(tiny_export, tmp_path):
     pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (the genai extra)")
     prompts = tmp_path / "p.jsonl"

@@ -58,7 +58,7 @@ def diagnose() -> dict:
             except ImportError:
                 verdict[ep] = "not installed: pip install 'snapspec[webgpu]'"
         elif ep == "cuda":
-            verdict[ep] = f"not installed: {CUDA_INSTALL} (and an NVIDIA driver for CUDA 13)"
+            verdict[ep] = f"not installed: {CUDA_INSTALL} (and an NVIDIA driver for CUDA 13)" + _gpu_version()
         elif ep == "dml":
             verdict[ep] = "Windows only: pip install 'snapspec[directml]'" if platform.system() != "Windows" else \
                 "not installed: pip install 'snapspec[directml]'"
@@ -68,6 +68,17 @@ def diagnose() -> dict:
     return {"onnxruntime": ort.__version__, "installed_providers": installed, "snapspec_providers": usable,
             "webgpu_adapters": adapters, "adapter_note": adapter_note, "verdict": verdict,
             "platform": platform.platform(), "python": platform.python_version()}
+
+
+def _gpu_version() -> str:
+    """Why the CUDA install names another version than the onnxruntime here: the newest onnxruntime-gpu is older
+    than the newest CPU wheel, and it replaces the CPU wheel's `onnxruntime` module (runtime/providers.py)."""
+    from snapspec.runtime.providers import CUDA_WHEEL
+
+    if ort.__version__ == CUDA_WHEEL:
+        return ""
+    return (f"; onnxruntime-gpu {CUDA_WHEEL} (the newest GPU build when snapspec pinned it) replaces this "
+            f"onnxruntime {ort.__version__}: onnxruntime becomes {CUDA_WHEEL}, which snapspec supports")
 
 
 def add_parser(sub, runtime_flags):

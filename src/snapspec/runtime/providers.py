@@ -28,8 +28,9 @@ PROVIDERS = {
 # install one instead of the other, so the CPU wheel goes and the GPU wheel is put back whole (uninstalling the
 # first removes files of the second). 1.31.1 is the newest onnxruntime-gpu (CUDA 13, cuDNN 9 from the nvidia wheels
 # its cuda and cudnn extras pull), the one verified on an H200; snapspec's onnxruntime range admits it.
+CUDA_WHEEL = "1.31.1"  # pyproject.toml's cuda extra pins the same
 CUDA_INSTALL = ('pip install "snapspec[cuda]" && pip uninstall -y onnxruntime && '
-                'pip install --force-reinstall --no-deps onnxruntime-gpu==1.31.1')
+                f'pip install --force-reinstall --no-deps onnxruntime-gpu=={CUDA_WHEEL}')
 DEVICE = {"cpu": "cpu", "cuda": "cuda", "webgpu": "webgpu", "dml": "cpu", "coreml": "cpu"}
 _plugin_registered = False
 
