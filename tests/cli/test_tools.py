@@ -169,10 +169,24 @@ def test_info_context_above_the_export(tiny_export, capsys):
 
 
 def test_demo_runs_offline(tmp_path, monkeypatch, capsys):
+    """The demo on an 80-column terminal: nothing cut (no ellipsis, no line over 80), plain runs before and after
+    the speculative one, and its speed figure called noise-level (a tiny pair)."""
+    import io
+
+    from rich.console import Console
+
+    from snapspec.cli import options
     monkeypatch.setenv("SNAPSPEC_CACHE", str(tmp_path))
+    con = Console(width=80, file=io.StringIO(), record=True)  # what console() gives a terminal with COLUMNS=80
+    monkeypatch.setattr(options, "console", lambda stderr=False: con)
     assert main(["demo", "--max-new-tokens", "24"]) == 0
-    out = " ".join(capsys.readouterr().out.split())
-    assert "speculative text equals plain greedy text" in out
+    text = con.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text, text
+    out = " ".join(text.split())
+    assert "speculative text equals plain greedy text" in out and "plain again" in out
+    assert "over the plain runs around it" in out and "speed figure is noise-level" in out
+    monkeypatch.undo()
+    monkeypatch.setenv("SNAPSPEC_CACHE", str(tmp_path))
     assert list(tmp_path.glob("snapspec/demo-target-*/snapspec.json"))
     assert main(["demo", "--max-new-tokens", "8"]) == 0  # second run reuses the export
     assert "exporting" not in capsys.readouterr().out
