@@ -32,6 +32,7 @@ import onnx
 import onnxruntime as ort
 
 from snapspec import manifest as mf
+from snapspec.runtime import exactness
 from snapspec.export.quant import dequantize_int4, quantize_int4
 
 from tiny import MAMBA1_TYPES, MAMBA2_TYPES, load_hf, torch_module
@@ -67,14 +68,17 @@ class OrtModel:
     """An exported folder's forward and replay graphs, fed NumPy arrays, with KV buffers of `context` rows."""
 
     def __init__(self, folder: Path, context: int = 128, threads: int = 1, forward_model: bytes | None = None):
-        """forward_model, when given, replaces model.onnx (a test's modified copy of it)."""
+        """forward_model, when given, replaces model.onnx (a test's modified copy of it). An int4 graph runs as the
+        runtime would run it on this CPU (runtime/exactness.py: as exported, rows paired, or at level 1)."""
         self.manifest = mf.load(folder)
         self.context = context
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.log_severity_level = 3
         cpu = ["CPUExecutionProvider"]
-        self.fwd = ort.InferenceSession(forward_model or str(self.manifest.graph_path("forward")), opts, providers=cpu)
+        if forward_model is None:
+            forward_model, _ = exactness.load_graph(self.manifest.graph_path("forward"), opts, threads)
+        self.fwd = ort.InferenceSession(forward_model, opts, providers=cpu)
         replay = self.manifest.graph_path("replay")
         self.replay_session = ort.InferenceSession(str(replay), opts, providers=cpu) if replay else None
         self.entries = {s["name"]: s for s in self.manifest.state}

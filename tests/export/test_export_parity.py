@@ -126,11 +126,14 @@ def test_fp32_multi_token_equals_single_bitwise(model_type, ort_model):
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_int4_multi_token_equals_single_bitwise(model_type, ort_model):
-    """int4 exports at accuracy level 4 (int8 activations): a (k+1)-token forward equals k+1 one-token forwards
-    bit for bit, logits and every state. The spare attention row (Decoder._spare_row) and MatMulNBits' block-16/32
-    kernels make this hold; without the spare row the first attention layer differed by ~3e-7 and int8 rounding
+    """The default int4 export (block 32, accuracy level 4: int8 activations), run as the runtime runs it on this CPU
+    (runtime/exactness.py: one-row calls paired where the kernels need it, as on AVX2): a (k+1)-token forward equals
+    k+1 one-token forwards bit for bit, logits and every state. The spare attention row (Decoder._spare_row) and the
+    paired rows make this hold; without the spare row the first attention layer differed by ~3e-7 and int8 rounding
     downstream turned that into logit differences of ~0.1 (docs/benchmarks/cpu.md, "int4 speculation on pair-a")."""
-    o, ids = ort_model(model_type, quant="int4", block_size=16), tokens(PREFIX + 9, 2)
+    from snapspec.runtime import exactness
+    o, ids = ort_model(model_type, quant="int4"), tokens(PREFIX + 9, 2)
+    assert exactness.strategy(32, 4) != "level 1", "neither block 32 nor its paired rows are bitwise on this CPU"
     if "swa_key" in {s["role"] for s in o.manifest.state}:
         # sliding-window rows round differently in a k-row call (export/__init__.py)
         assert o.manifest.data["export"]["int4_accuracy_level"] == 1
@@ -205,7 +208,7 @@ def test_replay_is_bitwise(model_type, dtype, ort_model):
     and in float16 exports (whose rollback data is float16). Not float16 without int4: onnxruntime's CPU EP runs a
     float16 MatMul, and the Split after it, in float32, so the forward's conv and gates read the projection unrounded
     while the rollback data rounds it (blocks._scale_rows has the mechanism; measured 6e-5 to 2e-3 apart)."""
-    o = ort_model(model_type, dtype=dtype, quant="int4", block_size=16, int4_accuracy=4)
+    o = ort_model(model_type, dtype=dtype, quant="int4", block_size=16, int4_accuracy=4)  # bitwise as exported
     if o.replay_session is None:
         pytest.skip(f"{model_type} has no recurrent state")
     if graph_ops(o) & {"MoE", "QMoE"}:

@@ -25,18 +25,30 @@ def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "snapspec"]
 
 
-@pytest.fixture
-def inexact(monkeypatch):
-    """Make the probe report every level above 1 as not bitwise, as AVX2's kernels do at block 32."""
-    def fake(block_size, level, threads=None, rows=exactness.PROBE_ROWS):
-        return exactness.Verdict(block_size, level, False, 1e-6, rows)
+def fake_probe(monkeypatch, paired_bitwise: bool) -> None:
+    """Make the probe report every level above 1 as not bitwise as exported, as AVX2's kernels do at block 32, and
+    the paired rewrite as `paired_bitwise`."""
+    def fake(block_size, level, threads=None, rows=exactness.PROBE_ROWS, paired=False):
+        return exactness.Verdict(block_size, level, paired and paired_bitwise, 0.0 if paired else 1e-6, rows, paired)
     monkeypatch.setattr(exactness, "probe", fake)
 
 
-@pytest.mark.parametrize("dtype, block, level", [("float32", 16, 4), ("float16", 32, 1)])
+@pytest.fixture
+def inexact(monkeypatch):
+    """Neither the graph as exported nor its paired rewrite is bitwise: the runtime runs level 1."""
+    fake_probe(monkeypatch, False)
+
+
+@pytest.fixture
+def pairable(monkeypatch):
+    """The graph as exported is not bitwise, its paired rewrite is (AVX2 at block 32)."""
+    fake_probe(monkeypatch, True)
+
+
+@pytest.mark.parametrize("dtype, block, level", [("float32", 32, 4), ("float16", 32, 1)])
 def test_default_block_and_level(dtype, block, level, tiny_export):
-    """float32 + int4: block 16 at level 4, and the manifest says what the export machine's kernels did; float16
-    (GPU providers) keeps block 32 at level 1."""
+    """int4: block 32, at level 4 for float32 (the CPU path) and the manifest says what the export machine's kernels
+    did; float16 (GPU providers) at level 1."""
     from snapspec import manifest
 
     folder = tiny_export(MODEL, dtype=dtype, quant="int4")
@@ -48,9 +60,9 @@ def test_default_block_and_level(dtype, block, level, tiny_export):
     assert {"bitwise", "cpu", "onnxruntime", "max_abs_diff"} <= set(ex["export_machine"])
 
 
-@pytest.mark.parametrize("asked, warned", [(dict(block_size=32), True), (dict(block_size=64, int4_accuracy=4), True),
-                                          (dict(block_size=16), False), (dict(block_size=32, int4_accuracy=1), False),
-                                          ({}, False)])
+@pytest.mark.parametrize("asked, warned", [(dict(block_size=64), True), (dict(block_size=128, int4_accuracy=4), True),
+                                          (dict(block_size=16), False), (dict(block_size=32), False),
+                                          (dict(block_size=64, int4_accuracy=1), False), ({}, False)])
 def test_explicit_inexact_choice_warns_once(asked, warned, tiny_model, tmp_path, caplog):
     from snapspec.export import export
 
@@ -63,8 +75,8 @@ def test_explicit_inexact_choice_warns_once(asked, warned, tiny_model, tmp_path,
 
 
 def test_inexact_choices():
-    assert inexact_choice(16, 4) is None and inexact_choice(32, 1) is None and inexact_choice(128, 1) is None
-    assert "AVX2" in inexact_choice(32, 4) and inexact_choice(64, 4) and inexact_choice(128, 4)
+    assert inexact_choice(16, 4) is None and inexact_choice(32, 4) is None and inexact_choice(128, 1) is None
+    assert "AVX-512" in inexact_choice(64, 4) and inexact_choice(128, 4)
 
 
 def test_compare_rows_sees_a_row_count_dependence():
@@ -83,6 +95,45 @@ def test_probe_runs_the_exports_kernel():
     v = exactness.probe(16, 4, threads=1)
     assert (v.block_size, v.level, v.rows) == (16, 4, exactness.PROBE_ROWS)
     assert v.bitwise == (v.max_abs == 0.0) and "block 16, accuracy level 4" in v.describe()
+    p = exactness.probe(32, 4, threads=1, paired=True)
+    assert p.paired and "rows paired" in p.describe()
+
+
+def test_pair_rows_keeps_each_rows_bits(tiny_export):
+    """The paired rewrite changes no result of a call of two or more rows (the extra row is cut off, and the
+    several-row kernel's rows do not depend on how many run), and gives a one-row call the bits of that row in a
+    several-row call: on every CPU whose several-row kernel is row-count invariant, which the probe checks before
+    the runtime relies on it (AVX2 and AVX-512 measured)."""
+    graph = exactness.probe_graph(32, 4)
+    paired = exactness.pair_rows(onnx.load_from_string(graph))
+    assert [n.op_type for n in paired.graph.node] == ["Pad", "MatMulNBits", "Slice"]
+    import onnxruntime as ort
+    plain, rewritten = (ort.InferenceSession(g, providers=["CPUExecutionProvider"])
+                        for g in (graph, paired.SerializeToString()))
+    x = np.random.default_rng(3).standard_normal((1, 6, exactness.PROBE_K)).astype(np.float32)
+    for rows in (2, 3, 6):
+        want = plain.run(None, {"X": x[:, :rows]})[0]
+        assert np.array_equal(rewritten.run(None, {"X": x[:, :rows]})[0], want), rows
+    if not exactness.probe(32, 4, paired=True).bitwise:
+        pytest.skip("this CPU's several-row kernel depends on the row count: the runtime runs level 1 here")
+    assert np.array_equal(rewritten.run(None, {"X": x[:, :1]})[0], plain.run(None, {"X": x[:, :3]})[0][:, :1])
+
+
+def test_pairable_cpu_runs_paired_rows(pairable, tiny_export, caplog):
+    """Where the graph as exported is not bitwise but its paired rewrite is, the runtime runs the rewrite (in memory:
+    the folder stays as it was), says so in the model's notes without a warning, and a k-token forward equals k
+    one-token forwards bit for bit; greedy speculation equals plain."""
+    folder = tiny_export(MODEL, quant="int4")
+    with caplog.at_level(logging.WARNING, logger="snapspec"):
+        m = runtime_model.load(folder, threads=1)
+    assert not warnings_of(caplog) and any("paired" in n for n in m.notes)
+    assert levels(folder) == {(32, 4)}
+    g = onnx.load_from_string(runtime_model.exactness.load_graph(folder / "model.onnx", __import__(
+        "onnxruntime").SessionOptions(), 1)[0])
+    mnb = [n for n in g.graph.node if n.op_type == "MatMulNBits"]
+    assert mnb and all(n.input[0].endswith("/paired") for n in mnb)
+    check = contract.check_multi_vs_single(m)
+    assert check.passed and not any(check.data.values()), check.detail  # bit for bit
 
 
 def test_inexact_cpu_runs_level_1(inexact, tiny_export, caplog):
@@ -103,7 +154,7 @@ def test_inexact_cpu_runs_level_1(inexact, tiny_export, caplog):
     check = contract.check_spec_equals_plain(fallback, drafter, ks=(1, 3, 8), new_tokens=12)
     assert check.passed, check.detail
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
-    assert levels(folder) == {(16, 4)}  # the folder's graph is untouched
+    assert levels(folder) == {(32, 4)}  # the folder's graph is untouched
 
 
 def _logits(m, ids: np.ndarray) -> np.ndarray:
@@ -113,7 +164,7 @@ def _logits(m, ids: np.ndarray) -> np.ndarray:
 
 def test_bitwise_cpu_runs_the_folder_as_is(monkeypatch, tiny_export, caplog):
     monkeypatch.setattr(exactness, "probe",
-                        lambda b, lv, threads=None, rows=9: exactness.Verdict(b, lv, True, 0.0, rows))
+                        lambda b, lv, threads=None, rows=9, paired=False: exactness.Verdict(b, lv, True, 0.0, rows))
     with caplog.at_level(logging.WARNING, logger="snapspec"):
         m = runtime_model.load(tiny_export(MODEL, quant="int4"), threads=1)
     assert not m.notes and not warnings_of(caplog)
@@ -131,7 +182,8 @@ def test_info_shows_this_cpus_probe(tiny_export):
 
     info = describe(tiny_export(MODEL, quant="int4"))
     here = info["int4_exactness_here"]
-    assert (here["block_size"], here["accuracy_level"]) == (16, 4) and isinstance(here["bitwise"], bool)
+    assert (here["block_size"], here["accuracy_level"]) == (32, 4) and isinstance(here["bitwise"], bool)
+    assert here["runs"] in ("as exported", "paired", "level 1")
     assert "this CPU" in render(info)
     assert describe(tiny_export(MODEL))["int4_exactness_here"] is None
 
@@ -139,8 +191,8 @@ def test_info_shows_this_cpus_probe(tiny_export):
 @pytest.mark.slow
 @pytest.mark.skipif(not PAIR_A.exists(), reason=f"{PAIR_A} is absent (the trained benchmark pair)")
 def test_pair_a_int4_default_is_exact(tmp_path):
-    """pair-a's target in the default int4 export: an 8-token forward equals 8 one-token forwards on this CPU (through
-    the probe's level-1 fallback where its kernels need it)."""
+    """pair-a's target in the default int4 export: an 8-token forward equals 8 one-token forwards on this CPU (with
+    one-row calls paired, or through the probe's level-1 fallback, where its kernels need it)."""
     from snapspec.export import export
 
     export(PAIR_A / "target", tmp_path / "t", quant="int4", log=lambda *a: None)

@@ -48,7 +48,7 @@ def _ops(path: Path) -> set[str]:
 
 def test_head_is_int4_and_the_target_is_not(folders):
     m, f = manifest.load(folders["int4"]), manifest.load(folders["float"])
-    assert m.data["mtp"]["quant"] == "int4" and m.data["mtp"]["block_size"] == 16
+    assert m.data["mtp"]["quant"] == "int4" and m.data["mtp"]["block_size"] == 32
     assert f.data["mtp"]["quant"] == "none" and f.data["mtp"]["block_size"] is None
     assert m.data["export"]["quant"] == "none"
     assert "MatMulNBits" in _ops(m.graph_path("mtp")) and "MatMul" not in _ops(m.graph_path("mtp"))

@@ -75,8 +75,11 @@ def _probe_here(e: dict) -> dict | None:
     from snapspec.runtime import exactness
     level = e["int4_accuracy_level"]
     verdict = exactness.probe(e["block_size"], level)
-    runs = level if verdict.bitwise or level <= exactness.FALLBACK_LEVEL else exactness.FALLBACK_LEVEL
-    return {**verdict.as_dict(), "runs_at_level": runs, "summary": verdict.describe()}
+    how = exactness.strategy(e["block_size"], level)
+    runs = exactness.FALLBACK_LEVEL if how == "level 1" else level
+    summary = verdict.describe() + {"paired": "; runs with one-row calls paired (bitwise)",
+                                    "level 1": f"; runs at level {exactness.FALLBACK_LEVEL}"}.get(how, "")
+    return {**verdict.as_dict(), "runs_at_level": runs, "runs": how, "summary": summary}
 
 
 def _yes_no(flag) -> str:

@@ -50,8 +50,8 @@ def export(hf_dir, out_dir, *, dtype: str = "float32", quant: str = "none", bloc
            speculative == greedy plain on Qwen3.5. CUDA needs float16. docs/benchmarks/export.md.
     quant: none | int4 (MatMulNBits, asymmetric, `block_size` per block; the output projection is quantized even
            when tied; the embedding table as `embedding_dtype` says).
-    block_size: int4's block (default graph.int4_block_size: 16 for float32, whose level-4 kernels are then exact
-           on AVX2 and AVX-512; 32 for float16). A block 32+ asked for at level 4 is kept with a one-line warning.
+    block_size: int4's block (default graph.int4_block_size: 32, exact at level 4 on AVX2 with the runtime's paired
+           rows and on AVX-512). A block 64+ asked for at level 4 is kept with a one-line warning.
     embedding_dtype: int4 | float16 | float32, how the token embedding table is stored. Default: under float32 +
            int4 (the CPU path), int4 read by GatherBlockQuantized when the hidden size is a multiple of the block
            size (a tied output projection then reads the same bytes), else float16; under float16 + int4 (the GPU

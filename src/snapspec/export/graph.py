@@ -33,9 +33,8 @@ INLINE_BYTES = 1024  # smaller initializers stay in the graph proto (as onnx's s
 def int4_accuracy_level(dtype: str, windowed: bool = False) -> int:
     """The default MatMulNBits accuracy level (4: the CPU kernel quantizes activations to int8 per block; 1: float32
     math), chosen by measurement (docs/benchmarks/cpu.md, "int4 speculation on pair-a"): 4 for float32 exports,
-    the CPU path (2-4x faster; with int4_block_size's block 16 its k-row results equal its one-row results bit for
-    bit on AVX2 and AVX-512, which greedy speculation needs, and runtime/exactness.py checks that on the machine
-    that loads it); 1 for float16 exports, which run on GPU providers whose level-4 paths are not verified here; 1
+    the CPU path (2-4x faster; greedy speculation needs its k-row results to equal its one-row results bit for bit,
+    which runtime/exactness.py checks on the machine that loads it, pairing one-row calls where the kernels need it); 1 for float16 exports, which run on GPU providers whose level-4 paths are not verified here; 1
     for a graph with sliding-window attention (`windowed`), whose windowed rows round differently in a k-row call
     (~1e-6) and int8 activations downstream amplify that. Mixture-of-experts graphs take the float32 default like any
     other since their expert op sees each row paired (blocks/mlp.py _paired_rows): bitwise at level 4 on AVX2 and
@@ -44,26 +43,27 @@ def int4_accuracy_level(dtype: str, windowed: bool = False) -> int:
 
 
 def int4_block_size(dtype: str) -> int:
-    """The default int4 block size: 16 for float32 exports (level 4 on CPU), 32 for float16 (GPU providers).
+    """The default int4 block size: 32, for float32 exports (level 4 on CPU) and float16 ones (GPU providers).
 
-    At level 4, onnxruntime's AVX2 kernels give a one-row call with a block of 32 or more its own summation order,
+    At level 4 onnxruntime's AVX2 kernels give a one-row call with a block of 32 or more its own summation order,
     which the next layer's int8 rounding amplifies (pair-a's block-32 target failed conformance on an AMD EPYC with
-    AVX2 only, and left plain greedy output at token 10 of a prompt); block 16 takes one path for every row count
-    there and on AVX-512. On pair-a it ran plain decoding at 0.84x of block 32's speed (AVX2 machine) and about
-    twice as fast as block 32 at level 1, where speculation stops paying (docs/benchmarks/cpu.md, "int4
-    exactness")."""
-    return 16 if dtype == "float32" else 32
+    AVX2 only). The runtime pairs one-row calls there (runtime/exactness.py pair_rows: every call then takes the
+    several-row kernel), which the load-time probe checks bitwise; block 16 took one path for every row count
+    without pairing but stores 6 bits per weight with its float32 scales (block 32: 5) and ran its MatMulNBits
+    slower (a 3584 x 1024 matrix on that AVX2 CPU: 0.438 ms a row, against block 32's 0.343 ms paired)."""
+    return 32
 
 
 def inexact_choice(block_size: int, level: int) -> str | None:
     """Why an int4 (block, level) asked for is not exact on some CPU (a one-line reason), or None: level 4 with
-    blocks of 32 or more (AVX2 at 32, every CPU above); level 1 is float32 math, which int8 rounding cannot amplify."""
-    if level != 4 or block_size < 32:
+    blocks of 64 or more, whose k-row results differ from one-row results on AVX-512 as well (the runtime pairs
+    one-row calls on AVX2, and runs level 1 where that is not bitwise either); level 1 is float32 math, which int8
+    rounding cannot amplify; blocks 16 and 32 are bitwise at level 4 on AVX2 (32 with paired rows) and AVX-512."""
+    if level != 4 or block_size < 64:
         return None
-    where = "on CPUs with AVX2 and no AVX-512" if block_size == 32 else "on every CPU measured"
-    return (f"int4 block {block_size} at accuracy level 4 is not exact {where}: a k-token forward differs from k "
-            "one-token forwards there, so the runtime runs level 1 (float32 math, slower) on such a CPU; the "
-            "default, block 16, is exact at level 4 on AVX2 and AVX-512")
+    return (f"int4 block {block_size} at accuracy level 4 is not exact on every CPU measured: a k-token forward "
+            "differs from k one-token forwards on AVX-512, so the runtime runs level 1 (float32 math, slower) there; "
+            "the default, block 32, is exact at level 4 on AVX2 (rows paired) and AVX-512")
 
 
 class Graph:

@@ -106,9 +106,11 @@ def _tokenizer_vocab(path: Path) -> int:
 
 def _int4_exactness(block_size: int, level: int) -> dict:
     """What the export promises about k-row == one-row MatMulNBits results, and what the export machine's kernels
-    did (runtime/exactness.py probes again on every CPU that loads the folder, and runs level 1 where they differ)."""
+    did (runtime/exactness.py probes again on every CPU that loads the folder: as exported, rows paired, or level 1)."""
     from snapspec.runtime import exactness
     return {"block_size": block_size, "accuracy_level": level,
-            "promise": "bitwise where the loading CPU's probe passes; else the runtime runs level 1 (float32 math)"
+            "promise": "bitwise where the loading CPU's probe passes, as exported or with one-row calls paired; else "
+                       "the runtime runs level 1 (float32 math)"
             if level > exactness.FALLBACK_LEVEL else "level 1: float32 rounding between row counts",
-            "export_machine": exactness.probe(block_size, level).as_dict()}
+            "export_machine": {**exactness.probe(block_size, level).as_dict(),
+                               "runs": exactness.strategy(block_size, level)}}

@@ -10,8 +10,14 @@ none on AVX2; Arm NEON's level-4 path is not bitwise by reading its source. Bloc
 
 So the runtime does not trust a table of instruction sets: it asks the kernels. `probe` runs a small MatMulNBits
 graph of the export's block size and level, R rows against R one-row calls, on this machine, once per process.
-Where they differ, `load_graph` gives onnxruntime the graph with every MatMulNBits at level 1 (float32 math),
-rewritten in memory (the folder is not touched, nothing is re-exported). Level 1's k-row and one-row results differ
+Where they differ, `load_graph` rewrites the graph in memory (the folder is not touched, nothing is re-exported), in
+the first of two ways that the probe finds bitwise:
+- paired rows (`pair_rows`): every MatMulNBits runs on its rows plus a copy of the last one (a Pad of one row, edge
+  mode), and its output is cut back to its rows (a Slice). A one-token step then takes the several-row kernel, as
+  every verify and prefill does, and each row's bits no longer depend on the row count. Measured on an AMD EPYC
+  (AVX2, no AVX-512), onnxruntime 1.32: block 32, 64 and 128 at level 4 bitwise this way; the extra row costs a
+  one-row call about 12% (a 3584 x 1024 block-32 matrix: 0.307 -> 0.343 ms, still below block 16's 0.438 ms);
+- level 1 (float32 math) for every MatMulNBits, slower. Level 1's k-row and one-row results differ
 in the last bits too (one row takes a dot-product kernel, several rows dequantize and run SGEMM), but nothing
 re-quantizes activations, so they stay at float32 rounding, as an fp32 export's do; measured on pair-a, block 32 at
 level 1 kept greedy speculative == plain on every prompt (docs/benchmarks/cpu.md, "int4 exactness").
@@ -48,15 +54,17 @@ class Verdict:
     max_abs: float  # largest difference seen
     rows: int
 
+    paired: bool = False  # measured on the paired-row rewrite (pair_rows)
+
     def describe(self) -> str:
-        head = f"int4 block {self.block_size}, accuracy level {self.level}"
+        head = f"int4 block {self.block_size}, accuracy level {self.level}" + (", rows paired" if self.paired else "")
         if self.bitwise:
             return f"{head}: k-row results equal one-row results bit for bit on this CPU"
         return f"{head}: k-row results differ from one-row results on this CPU (up to {self.max_abs:.1e})"
 
     def as_dict(self) -> dict:
         return {"block_size": self.block_size, "accuracy_level": self.level, "bitwise": self.bitwise,
-                "max_abs_diff": self.max_abs, "rows": self.rows, "cpu": cpu_name(),
+                "max_abs_diff": self.max_abs, "rows": self.rows, "paired": self.paired, "cpu": cpu_name(),
                 "onnxruntime": ort.__version__}
 
 
@@ -93,16 +101,21 @@ def probe_graph(block_size: int, level: int, k: int = PROBE_K, n: int = PROBE_N)
 
 
 @functools.lru_cache(maxsize=None)
-def probe(block_size: int, level: int, threads: int | None = None, rows: int = PROBE_ROWS) -> Verdict:
-    """Run the probe graph on CPU: each k = 2..rows rows at once against the same rows one at a time."""
+def probe(block_size: int, level: int, threads: int | None = None, rows: int = PROBE_ROWS,
+          paired: bool = False) -> Verdict:
+    """Run the probe graph on CPU (paired: after the pair_rows rewrite, as load_graph would run it): each k = 2..rows
+    rows at once against the same rows one at a time."""
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
-    session = ort.InferenceSession(probe_graph(block_size, level), opts, providers=["CPUExecutionProvider"])
+    graph = probe_graph(block_size, level)
+    if paired:
+        graph = pair_rows(onnx.load_from_string(graph)).SerializeToString()
+    session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(1).standard_normal((1, rows, PROBE_K)).astype(np.float32)
     bitwise, worst = compare_rows(lambda rows_in: session.run(None, {"X": rows_in})[0], x)
-    return Verdict(block_size, level, bitwise, worst, rows)
+    return Verdict(block_size, level, bitwise, worst, rows, paired)
 
 
 def compare_rows(run, x: np.ndarray) -> tuple[bool, float]:
@@ -129,10 +142,45 @@ def graph_kinds(model: onnx.ModelProto) -> set[tuple[int, int]]:
     return {(_attr(n, "block_size"), _attr(n, "accuracy_level")) for n in matmul_nbits(model)}
 
 
+def strategy(block_size: int, level: int, threads: int | None = None) -> str:
+    """How this CPU runs MatMulNBits of this (block, level) so that k rows give the bits of k one-row calls: "as
+    exported" (bitwise as it is, or level 1, whose float32 rounding int8 cannot amplify), "paired" (pair_rows), or
+    "level 1" (neither is bitwise here)."""
+    if level <= FALLBACK_LEVEL or probe(block_size, level, threads).bitwise:
+        return "as exported"
+    return "paired" if probe(block_size, level, threads, paired=True).bitwise else "level 1"
+
+
 def needs_fallback(model: onnx.ModelProto, threads: int | None) -> list[Verdict]:
     """The probe verdicts that are not bitwise, for the (block, level) pairs above level 1 in the graph."""
     return [v for v in (probe(b, lv, threads) for b, lv in sorted(graph_kinds(model)) if lv > FALLBACK_LEVEL)
             if not v.bitwise]
+
+
+def pair_rows(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Run every MatMulNBits on its rows plus a copy of the last one and cut its output back (in place; returns the
+    model). The rows are the second-to-last axis of its input (the export's [B, T, K]); the nodes are named after
+    the MatMulNBits they serve, so the rewritten graph still reads like the export."""
+    g = model.graph
+    consts = {"pads": [0, 1], "axes": [-2], "starts": [0], "ends": [-1]}
+    names = {k: f"/exactness/paired_{k}" for k in consts}
+    g.initializer.extend(numpy_helper.from_array(np.array(v, dtype=np.int64), names[k]) for k, v in consts.items())
+    nodes, padded = [], set()
+    for node in g.node:
+        if node.op_type != "MatMulNBits":
+            nodes.append(node)
+            continue
+        x, y = node.input[0], node.output[0]
+        node.input[0], node.output[0] = f"{x}/paired", f"{y}/paired"
+        if x not in padded:  # one Pad for every MatMulNBits that reads x
+            padded.add(x)
+            nodes.append(helper.make_node("Pad", [x, names["pads"], "", names["axes"]], [node.input[0]],
+                                          mode="edge", name=f"{node.name}/pair"))
+        nodes += [node, helper.make_node("Slice", [node.output[0], names["starts"], names["ends"], names["axes"]],
+                                         [y], name=f"{node.name}/unpair")]
+    del g.node[:]
+    g.node.extend(nodes)
+    return model
 
 
 def at_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
@@ -148,8 +196,9 @@ def at_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
 
 def load_graph(path: Path, opts: ort.SessionOptions, threads: int | None, who: str = "") -> tuple[str | bytes, str]:
     """What to give onnxruntime for the CPU graph at `path`: the path itself, or, where this CPU's kernels are not
-    bitwise across row counts at the graph's level, the graph's bytes at level 1 (opts then points onnxruntime at
-    the folder for the weights). Returns (path or bytes, a note: empty, or the one line that was logged)."""
+    bitwise across row counts at the graph's level, the graph's bytes with its rows paired (pair_rows) or, where
+    that is not bitwise either, at level 1 (opts then points onnxruntime at the folder for the weights). Returns
+    (path or bytes, a note: empty, or the one line that says what runs)."""
     try:
         if path.stat().st_size > 1 << 30:  # a graph with inline weights: not an export of ours, left as it is
             return str(path), ""
@@ -160,9 +209,14 @@ def load_graph(path: Path, opts: ort.SessionOptions, threads: int | None, who: s
     if not bad:
         return str(path), ""
     opts.add_session_config_entry(EXTERNAL_FOLDER, str(path.parent))
+    if all(strategy(v.block_size, v.level, threads) == "paired" for v in bad):
+        note = (f"{who}{bad[0].describe()}; one-row MatMulNBits calls run as two rows (paired), which are bitwise "
+                "across row counts here")
+        log.info(note)
+        return pair_rows(model).SerializeToString(), note
     worst = bad[0]
     note = (f"{who}{worst.describe()}; running MatMulNBits at accuracy level {FALLBACK_LEVEL} (float32 math, slower) "
             "so greedy speculation stays equal to plain decoding" + (
-                "; re-export with the default --block-size 16 for int8 speed" if worst.block_size > 16 else ""))
+                "; re-export with --block-size 16 for int8 speed" if worst.block_size > 16 else ""))
     log.warning(note)
     return at_level(model, FALLBACK_LEVEL).SerializeToString(), note
