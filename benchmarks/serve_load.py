@@ -160,7 +160,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 
 def tools(c: Client, rng: random.Random) -> Outcome:
     """A forced tool call (tool_choice required): a complete answer has finish_reason tool_calls and each call's
-    arguments are a JSON object (a call cut by max_tokens comes back as text with finish_reason length)."""
+    arguments are a JSON object (a reply cut by max_tokens keeps its complete calls; with none complete, it comes
+    back as text with finish_reason length)."""
     start = time.perf_counter()
     conn, resp = c.open("/v1/chat/completions", c.chat_body(rng, tools=[TOOL], tool_choice="required"))
     raw = resp.read()
