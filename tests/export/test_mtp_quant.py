@@ -19,12 +19,13 @@ from snapspec.export import export
 @pytest.fixture(scope="module")
 def folders(tiny_model, tmp_path_factory):
     """{label: export} of one tiny Qwen3.5 checkpoint with a head: float head, int4 head (the default), int4 head over
-    48 ids, and the default's choice for fp16 and int4 targets."""
+    48 ids, and the default's choice for fp16 and int4 targets. The int4 heads take block 16: the tiny model's hidden
+    size (80) holds no whole number of the default's 32-wide blocks, so its linears would stay float."""
     hf = tiny_model("qwen3_5_text", mtp=True)
     root = tmp_path_factory.mktemp("mtp-quant")
     out = {}
-    for label, kw in (("float", {"mtp_quant": "same"}), ("int4", {}),
-                      ("int4-subset", {"mtp_quant": "int4", "mtp_vocab": 48}), ("fp16", {"dtype": "float16"}),
+    for label, kw in (("float", {"mtp_quant": "same"}), ("int4", {"block_size": 16}),
+                      ("int4-subset", {"mtp_quant": "int4", "mtp_vocab": 48, "block_size": 16}), ("fp16", {"dtype": "float16"}),
                       ("int4-target", {"quant": "int4"})):
         export(hf, root / label, log=None, **kw)
         out[label] = root / label
@@ -48,7 +49,7 @@ def _ops(path: Path) -> set[str]:
 
 def test_head_is_int4_and_the_target_is_not(folders):
     m, f = manifest.load(folders["int4"]), manifest.load(folders["float"])
-    assert m.data["mtp"]["quant"] == "int4" and m.data["mtp"]["block_size"] == 32
+    assert m.data["mtp"]["quant"] == "int4" and m.data["mtp"]["block_size"] == 16
     assert f.data["mtp"]["quant"] == "none" and f.data["mtp"]["block_size"] is None
     assert m.data["export"]["quant"] == "none"
     assert "MatMulNBits" in _ops(m.graph_path("mtp")) and "MatMul" not in _ops(m.graph_path("mtp"))
