@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from snapspec import SnapspecError
 from snapspec.runtime import Generator, Pair
+from snapspec.runtime.policy import window_of
 
 from . import figures
 from .plan import Config, Plan
@@ -139,7 +140,7 @@ def run_bench(target, drafters, prompts: list[str], plan: Plan, *, labels: list[
         raise SnapspecError(f"the same drafter twice: {', '.join(labels)}")
     progress = progress or Quiet()
     ids = [target.encode(p) for p in prompts]
-    bench = Bench(target, list(drafters), ids, max_new_tokens, max(plan.longest(), target.manifest.rollback["window"]),
+    bench = Bench(target, list(drafters), ids, max_new_tokens, max(plan.longest(), window_of(target)),
                   progress)
     if bench.tctx.recurrent and plan.longest() > bench.tctx.depth:
         raise SnapspecError(f"the target's {bench.tctx.mode} rollback undoes at most {bench.tctx.depth} draft "

@@ -19,7 +19,7 @@ from pathlib import Path
 import snapspec
 from snapspec import SnapspecError
 
-from .options import ROLLBACK, add_json_flag, draft_max
+from .options import ROLLBACK, add_json_flag, at_least_one, at_least_two, draft_max
 
 log = logging.getLogger("snapspec")
 
@@ -31,7 +31,7 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--target", type=Path, required=True, help="exported target folder")
     add_drafter_flags(p, repeat=True)
     p.add_argument("--prompts", type=Path, required=True, help="JSON Lines with a \"prompt\" field")
-    p.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--limit", type=at_least_one, default=None, help="use the first N prompts")
     p.add_argument("--draft-max", type=_draft_max, default="auto",
                    help="auto (default): measure plain, the best fixed k (picked by a probe run and the cost model) "
                         "and adaptive k; N: measure plain and k = N, as `generate --draft-max N` runs it")
@@ -39,8 +39,8 @@ def add_parser(sub, runtime_flags):
                    help="measure every k of --k (default 1,2,3,4,6,8 up to the rollback window) under bounded "
                         "rollback and the checkpoint path, and adaptive k")
     p.add_argument("--k", default=None, help="comma-separated fixed draft lengths to measure (with adaptive k)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt and run (default 128)")
-    p.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (default 3)")
+    p.add_argument("--max-new-tokens", type=at_least_two, default=128, help="tokens per prompt and run (default 128)")
+    p.add_argument("--reps", type=at_least_one, default=3, help="repetitions of every configuration (default 3)")
     p.add_argument("--rollback", choices=[*ROLLBACK, "both"], default=None,
                    help="bounded rollback (auto, or the target's replay / window forced), the checkpoint baseline, "
                         "or both auto and checkpoint (default: both with --sweep, else auto)")

@@ -305,6 +305,7 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     (default 1..4, and 1..8 for the MTP head). quick (default: on WebGPU): each k on one prompt, rollback at j = 0, 1,
     W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
     from snapspec.runtime import load
+    from snapspec.runtime.policy import window_of
 
     from .web import PageServer, vendor_dirs
 
@@ -320,7 +321,7 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     else:
         drafter = load(drafter_dir, threads=1, spin=False, role="drafter") if drafter_dir else None
     ks = ks or (tuple(range(1, 9)) if drafter == MTP else (1, 2, 3, 4))
-    window = int(target.manifest.rollback["window"])
+    window = window_of(target)
     spec, ref = build_spec(target, drafter, new_tokens=new_tokens, ks=ks, window=window,
                            spread=ep == "webgpu" if quick is None else quick)
     with PageServer(target_dir, drafter_dir, web_dir=web_dir) as server:

@@ -30,7 +30,8 @@ def add_parser(sub, runtime_flags):
     add_drafter_flags(p)
     p.add_argument("--system", help="system message at the start of the conversation")
     p.add_argument("--no-chat-template", action="store_true",
-                   help="no template: the conversation is its messages' text joined, and the model continues it")
+                   help="no template: the conversation is its messages' text, each followed by a newline, and the "
+                        "model continues it")
     add_generation_flags(p, context_default="the export's max_context")
     runtime_flags(p)
 

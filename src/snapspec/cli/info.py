@@ -11,6 +11,7 @@ from collections import Counter
 import numpy as np
 
 from snapspec import manifest
+from snapspec.runtime.policy import window_of
 
 _BYTES = {"float32": 4, "float16": 2}
 
@@ -19,9 +20,11 @@ def _elems(shape: list, ctx: int) -> int:
     return int(np.prod([1 if d == "batch" else ctx if d == "context" else int(d) for d in shape]))
 
 
-def describe(folder, ctx: int = 4096, window: int | None = None) -> dict:
+def describe(folder, ctx: int | None = None, window: int | None = None) -> dict:
+    """ctx: the context of the memory estimate (default 4096, or the export's max_context when less)."""
     m = manifest.load(folder, verify=False)
-    window = window or m.rollback["window"]
+    window = window_of(m, window)
+    ctx = min(4096, m.max_context) if ctx is None else ctx
     asked, ctx = ctx, min(ctx, m.max_context)  # no estimate for a context the model cannot use (module doc)
     per_kind: dict[str, dict] = {}
     for s in m.state:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from snapspec import SnapspecError, __version__
 
-from .options import (add_alias, add_drafter_flags, add_generation_flags, add_json_flag, add_runtime_flags, drafter_label,
-                      generation_kwargs, interruptible, json_to_stdout, load_models, mtp_vocab_arg, positive_int,
-                      write_json)
+from .options import (add_alias, add_drafter_flags, add_generation_flags, add_json_flag, add_runtime_flags,
+                      at_least_one, drafter_label, generation_kwargs, interruptible, json_to_stdout, load_models,
+                      mtp_vocab_arg, write_json)
 
 
 class _UsageError(Exception):
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the hidden size allows, fp16 under --dtype fp16 --quant int4 (CUDA cannot run the int4 "
                         "table), else --dtype); fp32 with int4 leaves no float16 tensor, for WebGPU adapters "
                         "without shader-f16 (browser)")
-    p.add_argument("--rollback-window", type=positive_int, default=8, help="W: deepest bounded rollback (default 8)")
-    p.add_argument("--max-context", type=positive_int, default=None,
+    p.add_argument("--rollback-window", type=at_least_one, default=8, help="W: deepest bounded rollback (default 8)")
+    p.add_argument("--max-context", type=at_least_one, default=None,
                    help="positions the graph supports (default: the config's, at most 32768)")
     p.add_argument("--force", action="store_true",
                    help="replace OUT_DIR if it is an earlier snapspec export or an empty folder (anything else is "
@@ -83,21 +83,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt is a user message, rendered with the export's chat template")
     p.add_argument("--system", help="system message (implies --chat)")
     p.add_argument("--no-chat-template", action="store_true",
-                   help="with --chat: join the messages as plain text instead of rendering the chat template")
+                   help="with --chat: join the messages as plain text (each followed by a newline) instead of "
+                        "rendering the chat template")
     add_generation_flags(p)
     add_json_flag(p, "text, token ids, stats, providers and rollback modes (partial after Ctrl-C)")
     add_runtime_flags(p)
 
     p = sub.add_parser("info", help="describe an exported folder")
     p.add_argument("folder", type=Path, help="exported folder")
-    p.add_argument("--context", type=positive_int, default=4096, help="context length for the memory estimate")
-    p.add_argument("--rollback-window", type=positive_int, default=None,
+    p.add_argument("--context", type=at_least_one, default=None,
+                   help="context length for the memory estimate (default: 4096, or the export's max_context if less)")
+    p.add_argument("--rollback-window", type=at_least_one, default=None,
                    help="rollback window for the memory estimate (default: the export's)")
     p.add_argument("--verify", action="store_true",
                    help="hash every file against the manifest (default: sizes, and the files changed since the last "
                         "full check); a damaged folder exits 1")
-    add_alias(p, "--ctx", "context", type=positive_int)  # old spellings
-    add_alias(p, "--window", "rollback_window", type=positive_int)
+    add_alias(p, "--ctx", "context", type=at_least_one)  # old spellings
+    add_alias(p, "--window", "rollback_window", type=at_least_one)
     add_json_flag(p, "the description")
 
     from . import bench, browser_check, chat, conformance, demo, doctor, serve, verify, web  # noqa: E402  (own flags)

@@ -40,28 +40,31 @@ def mtp_vocab_arg(value: str) -> int | str:
     return n
 
 
-def positive_int(value: str) -> int:
-    """An integer >= 0, for flags where 0 means something (off, onnxruntime's choice, the default); at_least_one for
-    the others."""
+def _integer(value: str, low: int, expected: str) -> int:
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    if n < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return n
+
+
+def positive_int(value: str) -> int:
+    """An integer >= 0, for flags where 0 means something (off, onnxruntime's choice, the default); at_least_one for
+    the others."""
+    return _integer(value, 0, "a non-negative integer")
 
 
 def at_least_one(value: str) -> int:
     """An integer >= 1, for flags where 0 would be refused later or make the command useless (--max-new-tokens,
     serve's --max-queue)."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return n
+    return _integer(value, 1, "an integer >= 1")
+
+
+def at_least_two(value: str) -> int:
+    """An integer >= 2 (bench's --max-new-tokens: a decode needs a token after the prefill's)."""
+    return _integer(value, 2, "an integer >= 2")
 
 
 def draft_max(value: str):
@@ -303,6 +306,8 @@ def _drafter(args, target, spec, ngram):
 
     given = getattr(args, "drafter_threads", None)
     if spec in KEYWORDS:
+        if spec == MTP:
+            args.threads_used["mtp head"] = given  # None: the target's
         return make_drafter(target, spec, ngram=ngram if spec == NGRAM else None, threads=given)
     threads = next((t for t in (given, args.threads) if t is not None), None)
     threads = threads if threads is not None else default_threads(spec)

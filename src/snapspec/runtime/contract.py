@@ -11,7 +11,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
-from .policy import Policy, store_for
+from .policy import Policy, store_for, window_of
 from .drafters import Drafter
 from .generation import Generator
 from .model import Model
@@ -78,9 +78,7 @@ def check_rollback(model: Model, mode: str, window: int | None = None, n_prompt:
     replay: one (W+1)-token forward, then rollback; window: one W-token forward (a state window of W holds the
     states after its last W tokens); ring: W one-token steps. Buffers start NaN.
     """
-    w = window or model.manifest.rollback["window"]
-    if mode == "window":
-        w = model.manifest.rollback["window"]
+    w = window_of(model, None if mode == "window" else window)
     toks = _tokens(model, n_prompt + w + 2, seed=1)
     probe = toks[-1]
     worst, tol, where = 0.0, tolerance(model), ""
@@ -171,7 +169,7 @@ def check_self_acceptance(model: Model, k: int = 4, new_tokens: int = 32) -> Che
 
 
 def run_checks(target: Model, drafter: Model | Drafter | None, window: int | None = None, new_tokens: int = 32) -> list[Check]:
-    w = window or target.manifest.rollback["window"]
+    w = window_of(target, window)
     plan = [("target", lambda: check_multi_vs_single(target)),
             ("target", lambda: check_chunked_prefill(target)),
             ("target", lambda: check_rollback(target, store_for(target, "target"), w))]

@@ -23,6 +23,7 @@ from .context import PREFILL_CHUNK, Context, Rows
 from .drafters import Drafter
 from .model import Model
 from .pair import Pair, check_context
+from .policy import window_of
 from .prompt import FrontDoor, Prompt, is_messages
 from .sampling import SamplingParams, check_finite, pick
 from .speculative import speculative_round
@@ -80,7 +81,7 @@ class Generator:
             # calibration times forwards of up to W + 1 tokens after the prompt).
             if context is not None:
                 check_context(target, drafter, context)
-            w = int(window or target.manifest.rollback["window"])
+            w = window_of(target, window)
             pair = Pair(target, drafter, length=context or len(self.prompt) + max_new_tokens + w, window=w,
                         rollback=rollback or "auto", poison=poison, target_ctx=target_ctx, drafter_ctx=drafter_ctx,
                         prefill_chunk=self.prefill_chunk)

@@ -59,6 +59,15 @@ def graph_for(m, ep: str, role: str, rollback: str) -> str:
     return "forward"
 
 
+def window_of(target, window: int | None = None) -> int:
+    """The window W of bounded rollback: as given, else the target export's (`--rollback-window`); target: a loaded
+    Model or its Manifest. The manifest's value is read here and nowhere else."""
+    w = int(window or getattr(target, "manifest", target).rollback["window"])
+    if w < 1:
+        raise SnapspecError(f"rollback window must be >= 1, got {w}")
+    return w
+
+
 def store_for(model, side: str) -> str:
     """The recurrent store of a context over `model` on one side of a pair: window on the state-window graph,
     replay for a target that has the replay graph, ring otherwise (a drafter, or an export without replay)."""
@@ -74,9 +83,7 @@ class Policy:
     def __init__(self, target, drafter=None, *, rollback: str = "auto", window: int | None = None):
         self.target, self.drafter = target, drafter
         self.rollback = check(rollback)
-        self.window = int(window or target.manifest.rollback["window"])
-        if self.window < 1:
-            raise SnapspecError(f"rollback window must be >= 1, got {self.window}")
+        self.window = window_of(target, window)
         if rollback in ("replay", "window") and target.has_recurrent and store_for(target, "target") != rollback:
             raise SnapspecError(f"rollback={rollback} is chosen when the target is loaded (load(..., rollback="
                                 f"{rollback!r}) or --rollback {rollback}); this target runs "
