@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Build what scripts/gpu/gpu_check.sh needs on a lent GPU machine (no network there; each call carries <= 64 MiB,
+# the working tree included: ~19 MiB now), in two folders carried by two consecutive calls while the machine is warm:
+#   scripts/gpu/gpu_check_payload.sh OUT_DIR        (CPU_ORT=1.32.0 adds the CPU wheel for the int4 exactness probe)
+# OUT_DIR/c1: part 1 of the sm_90-only onnxruntime-gpu 1.31.1 package (scripts/gpu/ort_sm90.py: the CUDA provider's
+#             other architectures' kernel images zeroed, no TensorRT provider, no libonnxruntime.so), tar.xz
+# OUT_DIR/c2: its part 2; src.tar (`git archive HEAD`, without the demo and MTP-head weights: the committed code, not
+#             the working tree other sessions are editing); wheels/ (snapspec's deps the CUDA image lacks: llguidance,
+#             prompt_toolkit, wcwidth, jinja2 >= 3.1.6); with CPU_ORT, ort-cpu.tar.xz (that onnxruntime CPU wheel's
+#             package, without libonnxruntime.so, which the Python module does not load)
+# PART_MIB (default 42) sizes part 1; the other part and c2's rest must fit beside the working tree too.
+# On the machine, scripts/gpu/gpu_check_remote.sh takes them:  stash .payload/c1  then  run .payload/c2 $OUT
+# (and, with CPU_ORT,  cpu .payload/c2 $OUT).
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)  # scripts/gpu/ -> the checkout
+out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
+work=$out/work && mkdir -p $work $out/c1 $out/c2/wheels
+pipdl() {  # pipdl DIR SPEC...: cp312 manylinux x86-64 wheels, no deps
+  local d=$1; shift
+  local plats=() n
+  for n in 2_17 2_24 2_27 2_28 2_31 2_34; do plats+=(--platform manylinux_${n}_x86_64); done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 "${plats[@]}" -d "$d" "$@"
+}
+if [ ! -e $work/ort90.tar.xz ]; then
+  pipdl $work onnxruntime-gpu==1.31.1
+  rm -rf $work/ort && mkdir -p $work/ort && (cd $work/ort && unzip -q ../onnxruntime_gpu-1.31.1-*.whl 'onnxruntime/*')
+  rm -f $work/ort/onnxruntime/capi/libonnxruntime_providers_tensorrt.so $work/ort/onnxruntime/capi/libonnxruntime.so.*
+  python3 $repo/scripts/gpu/ort_sm90.py $work/ort/onnxruntime/capi/libonnxruntime_providers_cuda.so
+  tar cf - -C $work/ort onnxruntime | xz -T1 -6 > $work/ort90.tar.xz.tmp && mv $work/ort90.tar.xz.tmp $work/ort90.tar.xz
+fi
+rm -f $out/c1/ort90.tar.xz.* $out/c2/ort90.tar.xz.*
+(cd $work && rm -f ort90.tar.xz.[0-9] && split -d -a 1 -b "${PART_MIB:-42}M" ort90.tar.xz ort90.tar.xz.)
+[ ! -e $work/ort90.tar.xz.2 ] || { echo "more than two parts: raise PART_MIB" >&2; exit 1; }
+cp $work/ort90.tar.xz.0 $out/c1/ && cp $work/ort90.tar.xz.1 $out/c2/
+pipdl $out/c2/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6
+(cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' ':!benchmarks/models/*.safetensors') \
+  > $out/c2/src.tar
+git -C $repo log -1 --format='%h %s' | cut -c1-160 > $out/c2/src.commit
+rm -f $out/c2/ort-cpu.tar.xz
+if [ -n "${CPU_ORT:-}" ]; then
+  if [ ! -e $work/ort-cpu-$CPU_ORT.tar.xz ]; then
+    pipdl $work onnxruntime==$CPU_ORT
+    rm -rf $work/cpu && mkdir -p $work/cpu && (cd $work/cpu && unzip -q ../onnxruntime-$CPU_ORT-cp312-*.whl)
+    rm -f $work/cpu/onnxruntime/capi/libonnxruntime.so.*
+    tar cf - -C $work/cpu . | xz -T1 -6 > $work/ort-cpu-$CPU_ORT.tar.xz
+  fi
+  cp $work/ort-cpu-$CPU_ORT.tar.xz $out/c2/ort-cpu.tar.xz
+fi
+du -sh $out/c1 $out/c2

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# On the lent GPU machine, with scripts/gpu/gpu_check_payload.sh's folders (two calls while the machine is warm):
+#   scripts/gpu/gpu_check_remote.sh stash C1          keep C1's onnxruntime-gpu part in /tmp/gc; say what is there
+#   scripts/gpu/gpu_check_remote.sh run C2 OUT        install, prove a CUDA session, run scripts/gpu/gpu_check.sh of
+#                                                     C2's src.tar (the committed checkout) into OUT
+#   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
+#                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
+#                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
+# /tmp/gc: parts/ (the package's parts), ortgpu/, deps/ (the wheels), ortcpu/, src/ (src.tar unpacked).
+set -uo pipefail
+G=/tmp/gc
+cmd=${1:?stash|run|cpu}
+mkdir -p $G/parts
+case $cmd in
+stash)
+  cp "${2:?C1}"/ort90.tar.xz.* $G/parts/ && ls -la $G/parts
+  nvidia-smi -L; python3 --version; ldd --version | head -1
+  python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
+    torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
+  ;;
+run)
+  c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out
+  cp $c2/ort90.tar.xz.* $G/parts/
+  [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
+  rm -rf $G/ortgpu $G/deps $G/src && mkdir -p $G/ortgpu $G/src
+  cat $G/parts/ort90.tar.xz.* | xz -dc | tar x -C $G/ortgpu || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $G/deps $c2/wheels/*.whl || exit 1
+  tar xf $c2/src.tar -C $G/src || exit 1
+  export PYTHONPATH=$G/ortgpu:$G/deps:$G/src/src PYTHONUNBUFFERED=1
+  python3 - <<'PY' 2>&1 | tee $out/ort-check.txt
+import numpy as np, onnxruntime as ort
+from onnx import TensorProto as T, helper as h
+g = h.make_graph([h.make_node("MatMul", ["x", "w"], ["y0"]), h.make_node("Add", ["y0", "x"], ["y"])], "check",
+                 [h.make_tensor_value_info("x", T.FLOAT16, [64, 64]), h.make_tensor_value_info("w", T.FLOAT16, [64, 64])],
+                 [h.make_tensor_value_info("y", T.FLOAT16, [64, 64])])
+m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)]); m.ir_version = 9
+ort.preload_dlls()
+s = ort.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
+x, w = (np.random.default_rng(i).standard_normal((64, 64)).astype(np.float16) for i in (0, 1))
+y = s.run(None, {"x": x, "w": w})[0]
+ref = x.astype(np.float32) @ w.astype(np.float32) + x
+print(ort.__file__, ort.__version__, ort.get_available_providers(), s.get_providers(),
+      "rel err", float(np.abs(y - ref).max() / np.abs(ref).max()))
+assert s.get_providers()[0] == "CUDAExecutionProvider" and np.abs(y - ref).max() < 0.05 * np.abs(ref).max()
+PY
+  [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+  { echo "snapspec (src.tar): $(cat $c2/src.commit)"; nvidia-smi -L
+    python3 -c "import torch, transformers, onnx; print('torch', torch.__version__, 'transformers', transformers.__version__, 'onnx', onnx.__version__)"
+  } 2>&1 | tee $out/env.txt
+  bash $G/src/scripts/gpu/gpu_check.sh "" $out
+  ;;
+cpu)
+  c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out; src=${4:-$G/src/src}
+  rm -rf $G/ortcpu && mkdir -p $G/ortcpu && xz -dc $c2/ort-cpu.tar.xz | tar x -C $G/ortcpu || exit 1
+  [ -d $G/deps ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $G/deps \
+    $c2/wheels/*.whl || exit 1
+  export PYTHONPATH=$G/ortcpu:$G/deps:$src PYTHONUNBUFFERED=1
+  {
+    lscpu | grep -E 'Model name|Flags'
+    python3 -c "import onnxruntime as o, snapspec; print('onnxruntime', o.__version__, o.__file__, o.get_available_providers()); print('snapspec', snapspec.__file__)"
+    python3 -c "from snapspec.runtime import exactness as e; [print(e.probe(b, 4, t).describe(), '|', e.probe(b, 4, t, paired=True).describe()) for b in (16, 32, 64, 128) for t in (1, 2, 8)]"
+  } 2>&1 | tee $out/int4-paired-probe.txt
+  (cd "$src/.." && timeout 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/export/test_int4_exactness.py -rs) 2>&1 |
+    tee $out/test_int4_exactness.txt
+  ;;
+esac
