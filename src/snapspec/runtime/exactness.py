@@ -21,6 +21,9 @@ the first of two ways that the probe finds bitwise:
 in the last bits too (one row takes a dot-product kernel, several rows dequantize and run SGEMM), but nothing
 re-quantizes activations, so they stay at float32 rounding, as an fp32 export's do; measured on pair-a, block 32 at
 level 1 kept greedy speculative == plain on every prompt (docs/benchmarks/cpu.md, "int4 exactness").
+
+onnx is imported inside the functions that build or rewrite a graph, which only int4 exports reach: importing it
+costs a second per process (its ml_dtypes import), and every fp32 `load()` imports this module.
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ import logging
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+
+if TYPE_CHECKING:
+    import onnx
 
 log = logging.getLogger("snapspec")
 
@@ -83,6 +88,8 @@ def probe_graph(block_size: int, level: int, k: int = PROBE_K, n: int = PROBE_N)
     """One MatMulNBits node, X [1, T, K] -> Y [1, T, N], over seeded random int4 weights: packed nibbles, scales and
     zero points drawn directly in the export's layout (export/quant.py; importing the exporter would cost more than
     the probe)."""
+    from onnx import TensorProto, helper, numpy_helper
+
     rng = np.random.default_rng(0)
     kb = k // block_size
     packed = rng.integers(0, 256, (n, kb, block_size // 2), dtype=np.uint8)
@@ -111,6 +118,8 @@ def probe(block_size: int, level: int, threads: int | None = None, rows: int = P
         opts.intra_op_num_threads = threads
     graph = probe_graph(block_size, level)
     if paired:
+        import onnx
+
         graph = pair_rows(onnx.load_from_string(graph)).SerializeToString()
     session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
     x = np.random.default_rng(1).standard_normal((1, rows, PROBE_K)).astype(np.float32)
@@ -161,6 +170,8 @@ def pair_rows(model: onnx.ModelProto) -> onnx.ModelProto:
     """Run every MatMulNBits on its rows plus a copy of the last one and cut its output back (in place; returns the
     model). The rows are the second-to-last axis of its input (the export's [B, T, K]); the nodes are named after
     the MatMulNBits they serve, so the rewritten graph still reads like the export."""
+    from onnx import helper, numpy_helper
+
     g = model.graph
     consts = {"pads": [0, 1], "axes": [-2], "starts": [0], "ends": [-1]}
     names = {k: f"/exactness/paired_{k}" for k in consts}
@@ -185,6 +196,8 @@ def pair_rows(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def at_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
     """Set every MatMulNBits node's accuracy level (in place; returns the model)."""
+    from onnx import helper
+
     for node in matmul_nbits(model):
         attrs = [a for a in node.attribute if a.name == "accuracy_level"]
         if attrs:
@@ -199,6 +212,8 @@ def load_graph(path: Path, opts: ort.SessionOptions, threads: int | None, who: s
     bitwise across row counts at the graph's level, the graph's bytes with its rows paired (pair_rows) or, where
     that is not bitwise either, at level 1 (opts then points onnxruntime at the folder for the weights). Returns
     (path or bytes, a note: empty, or the one line that says what runs)."""
+    import onnx
+
     try:
         if path.stat().st_size > 1 << 30:  # a graph with inline weights: not an export of ours, left as it is
             return str(path), ""

@@ -1,0 +1,26 @@
+"""What a process that loads and runs an fp32 export imports: never onnx, whose import costs about a second per
+process through ml_dtypes (issue 35 item 11: `import snapspec` was a sixth of a 1-token `generate`). The exporter
+and the int4 graph rewrites (runtime/exactness.py) import it where they need it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("onnx", "ml_dtypes", "torch", "transformers")
+
+SCRIPT = """
+import json, sys
+from snapspec.runtime import load
+m = load(sys.argv[1], threads=1)
+m.session.get_inputs()
+print(json.dumps(sorted(name for name in {heavy!r} if name in sys.modules)))
+"""
+
+
+def test_loading_an_fp32_export_does_not_import_onnx(tiny_export):
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(heavy=HEAVY), str(tiny_export("qwen3_5_text"))],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
