@@ -26,13 +26,61 @@ def test_advise_keeps_values_and_counts_resident_windows():
 
 @linux
 def test_untouched_memory_is_not_advised():
-    m = mmap.mmap(-1, 64 << 20)  # anonymous, never written: no page resident
+    m = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE)  # anonymous and private (rw-p), never written
     buf = ctypes.c_char.from_buffer(m)
     start = ctypes.addressof(buf)
     libc = ctypes.CDLL(None)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     ranges = hugepages._anonymous_ranges(libc)
     assert not any(lo < start + (64 << 20) and hi > start + hugepages.HUGE for lo, hi in ranges)
+    del buf
+    m.close()
+
+
+def _ranges_one_window_at_a_time(libc) -> list[tuple[int, int]]:
+    """The plain reference for hugepages._anonymous_ranges: one mincore call per 2 MiB window, read in Python."""
+    out, vec = [], (ctypes.c_ubyte * (hugepages.HUGE // hugepages.PAGE))()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if not parts[1].startswith("rw-p") or (len(parts) > 5 and parts[5] != "[heap]"):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            for at in range((lo + hugepages.HUGE - 1) & ~(hugepages.HUGE - 1), hi & ~(hugepages.HUGE - 1),
+                            hugepages.HUGE):
+                if libc.mincore(at, hugepages.HUGE, vec) != 0 or not all(b & 1 for b in vec):
+                    continue
+                if out and out[-1][1] == at:
+                    out[-1] = (out[-1][0], at + hugepages.HUGE)
+                else:
+                    out.append((at, at + hugepages.HUGE))
+    return out
+
+
+@linux
+def test_resident_windows_match_the_one_window_reference():
+    """A mapping of 16 windows, written in runs with holes (a window missing one page, untouched windows, a written
+    one at the end; window 0 untouched, so no neighbouring mapping merges into the first run): the vectorised scan
+    finds the merged ranges of whole windows, as the window-by-window reference does."""
+    m = mmap.mmap(-1, 17 * hugepages.HUGE, flags=mmap.MAP_PRIVATE)  # 17: 16 aligned windows lie inside
+    buf = ctypes.c_char.from_buffer(m)
+    base = (ctypes.addressof(buf) + hugepages.HUGE - 1) & ~(hugepages.HUGE - 1)
+    off = base - ctypes.addressof(buf)
+    window = hugepages.HUGE
+    for w in (1, 2, 3, 5, 6, 9, 15):  # windows written whole
+        m[off + w * window:off + (w + 1) * window] = b"\x01" * window
+    m[off + 7 * window:off + 8 * window - hugepages.PAGE] = b"\x01" * (window - hugepages.PAGE)  # one page short
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+    def inside(ranges):
+        return [(lo, hi) for lo, hi in ranges if base <= lo < base + 16 * window]
+
+    got = inside(hugepages._anonymous_ranges(libc))
+    assert got == [(base + window, base + 4 * window), (base + 5 * window, base + 7 * window),
+                   (base + 9 * window, base + 10 * window), (base + 15 * window, base + 16 * window)], \
+        [((lo - base) // window, (hi - base) // window) for lo, hi in got]
+    assert got == inside(_ranges_one_window_at_a_time(libc))
     del buf
     m.close()
 
