@@ -12,8 +12,8 @@ So the runtime does not trust a table of instruction sets: it asks the kernels. 
 graph of the export's block size and level, R rows against R one-row calls, on this machine, once per process.
 Where they differ, `load_graph` rewrites the graph in memory (the folder is not touched, nothing is re-exported), in
 the first of two ways that the probe finds bitwise:
-- paired rows (`pair_rows`): every MatMulNBits runs on its rows plus a copy of the last one (a Pad of one row, edge
-  mode), and its output is cut back to its rows (a Slice). A one-token step then takes the several-row kernel, as
+- paired rows (`pair_rows`, runtime/paired_rows.py): every MatMulNBits runs on its rows plus a copy of the last one
+  (a Pad of one row, edge mode), and what leaves the padded region is cut back to its rows (a Slice). A one-token step then takes the several-row kernel, as
   every verify and prefill does, and each row's bits no longer depend on the row count. Measured on an AMD EPYC
   (AVX2, no AVX-512), onnxruntime 1.32: block 32, 64 and 128 at level 4 bitwise this way; the extra row costs a
   one-row call about 12% (a 3584 x 1024 block-32 matrix: 0.307 -> 0.343 ms, still below block 16's 0.438 ms);
@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
+
+from .paired_rows import pair_rows
 
 if TYPE_CHECKING:
     import onnx
@@ -164,34 +166,6 @@ def needs_fallback(model: onnx.ModelProto, threads: int | None) -> list[Verdict]
     """The probe verdicts that are not bitwise, for the (block, level) pairs above level 1 in the graph."""
     return [v for v in (probe(b, lv, threads) for b, lv in sorted(graph_kinds(model)) if lv > FALLBACK_LEVEL)
             if not v.bitwise]
-
-
-def pair_rows(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Run every MatMulNBits on its rows plus a copy of the last one and cut its output back (in place; returns the
-    model). The rows are the second-to-last axis of its input (the export's [B, T, K]); the nodes are named after
-    the MatMulNBits they serve, so the rewritten graph still reads like the export."""
-    from onnx import helper, numpy_helper
-
-    g = model.graph
-    consts = {"pads": [0, 1], "axes": [-2], "starts": [0], "ends": [-1]}
-    names = {k: f"/exactness/paired_{k}" for k in consts}
-    g.initializer.extend(numpy_helper.from_array(np.array(v, dtype=np.int64), names[k]) for k, v in consts.items())
-    nodes, padded = [], set()
-    for node in g.node:
-        if node.op_type != "MatMulNBits":
-            nodes.append(node)
-            continue
-        x, y = node.input[0], node.output[0]
-        node.input[0], node.output[0] = f"{x}/paired", f"{y}/paired"
-        if x not in padded:  # one Pad for every MatMulNBits that reads x
-            padded.add(x)
-            nodes.append(helper.make_node("Pad", [x, names["pads"], "", names["axes"]], [node.input[0]],
-                                          mode="edge", name=f"{node.name}/pair"))
-        nodes += [node, helper.make_node("Slice", [node.output[0], names["starts"], names["ends"], names["axes"]],
-                                         [y], name=f"{node.name}/unpair")]
-    del g.node[:]
-    g.node.extend(nodes)
-    return model
 
 
 def at_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
