@@ -100,10 +100,17 @@ class OrtModel:
 
     def forward(self, state: dict, ids, past_len: int, keep: int | None = None) -> Step:
         """keep: feed `logits_to_keep` (None: leave the graph's default, every row)."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        t = ids.shape[1]
-        feeds = {"input_ids": ids, "position_ids": np.arange(past_len, past_len + t, dtype=np.int64)[None],
-                 "attention_mask": np.ones((1, past_len + t), dtype=np.int64), **state}
+        return self.forward_batch(state, np.asarray(ids).reshape(1, -1), [past_len], keep)
+
+    def forward_batch(self, state: dict, ids, past_lens, keep: int | None = None) -> Step:
+        """B sequences in one forward: ids [B, T], sequence b after past_lens[b] tokens (its KV rows 0..past - 1).
+        attention_mask row b holds past_lens[b] + T ones, zeros after them up to the longest row: the graph reads
+        only each row's sum (GroupQueryAttention's seqlens_k) and the width (total_sequence_length)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        t, past = ids.shape[1], np.asarray(past_lens, dtype=np.int64)
+        mask = (np.arange(past.max() + t) < (past + t)[:, None]).astype(np.int64)
+        feeds = {"input_ids": ids, "position_ids": past[:, None] + np.arange(t, dtype=np.int64),
+                 "attention_mask": mask, **state}
         if keep is not None:
             feeds["logits_to_keep"] = np.array(keep, dtype=np.int64)
         names = [o.name for o in self.fwd.get_outputs()]
@@ -111,6 +118,14 @@ class OrtModel:
         new_state = {name: out[e["output"]] for name, e in self.entries.items()}
         packed = self.manifest.rollback_data
         return Step(out["logits"], new_state, out[packed["name"]] if packed else None, out.get("next_tokens"))
+
+    def stack(self, states: list[dict]) -> dict:
+        """Batch-1 states (or batches) joined along the batch axis (every manifest shape starts with it)."""
+        return {n: np.concatenate([s[n] for s in states], axis=0) for n in self.entries}
+
+    def row(self, state: dict, b: int) -> dict:
+        """Sequence b of a batched state, as a batch of one."""
+        return {n: v[b:b + 1] for n, v in state.items()}
 
     def replay(self, state: dict, rollback: np.ndarray, j: int) -> dict:
         """Advance the conv/recurrent part of `state` over the first j tokens of a forward's rollback data."""
