@@ -35,14 +35,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Hello"
 
+# onnxruntime's own sessions, with load's options: not model._session, which also puts the weights on huge pages
 SESSIONS = """
 import sys
 from pathlib import Path
-from snapspec.runtime.model import _options, _session
+import onnxruntime as ort
+from snapspec.runtime.model import _options
 folder = Path(sys.argv[1])
-_session(folder / "model.onnx", _options(None, True), ["CPUExecutionProvider"])
+ort.InferenceSession(str(folder / "model.onnx"), _options(None, True), providers=["CPUExecutionProvider"])
 if (folder / "replay.onnx").exists():  # a hybrid target's second session
-    _session(folder / "replay.onnx", _options(None, False), ["CPUExecutionProvider"])
+    ort.InferenceSession(str(folder / "replay.onnx"), _options(None, False), providers=["CPUExecutionProvider"])
 """
 
 

@@ -11,14 +11,24 @@ allocations from it once an earlier large block was freed), so untouched reserva
 on pair-a fp32, one thread: the MatMul-only floor went from 11.1-11.4 to 8.2-8.4 CPU ms per token
 (docs/benchmarks/cpu-step.md). Only the page size changes, never a value: results stay bit for bit the same. Where
 the kernel refuses (older kernels, THP `never`, other systems), nothing happens. SNAPSPEC_HUGEPAGES=0 turns it off.
+
+The collapse runs while a CPU session is being made (`while_loading`, around model._session): onnxruntime releases
+the GIL while it pre-packs, so a thread collapses each window once pre-packing has written it, on the core that
+pre-packing (one thread) leaves idle, and the 4 KiB pages each collapse frees are reused by the rest of pre-packing
+instead of fresh memory. On a 2-core VM whose host backs guest memory at first touch, collapsing 1 GiB after the
+session cost 0.8-3.3 s; a 1-token `generate` of the Qwen3.5-0.8B shape (fp32) took 1.62x as long as creating its
+sessions alone with the collapse after them, 1.07x with it during (medians of 5 interleaved rounds; issue 35 item
+11); decode steps were the same. `advise()` after the session advises the rest and collapses what the budget allows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -31,6 +41,9 @@ PAGE = 4096  # the base page mincore reports on
 # beyond it MADV_HUGEPAGE alone leaves the rest to the kernel's khugepaged, in the background.
 COLLAPSE_BUDGET = 1 << 30
 _collapsed = 0
+_huge: set[int] = set()  # the windows this process collapsed
+SWEEP_SECONDS = 0.1  # while_loading: how often the thread looks for windows written since its last look
+
 
 def _anonymous_ranges(libc) -> list[tuple[int, int]]:
     """[start, end) of the huge-page-aligned windows of this process's private anonymous read-write memory (mappings
@@ -62,25 +75,80 @@ def _anonymous_ranges(libc) -> list[tuple[int, int]]:
     return out
 
 
-def advise() -> int:
-    """Ask for huge pages on every resident anonymous mapping (a range advised before costs little: its pages are
-    already huge, and freed memory may have been mapped again at the same address); returns the bytes advised (0
-    where the platform has no madvise or the kernel refused)."""
+def _libc():
+    """libc with madvise and mincore typed, or None where huge pages are not asked for (not Linux, switched off)."""
     if not sys.platform.startswith("linux") or os.environ.get("SNAPSPEC_HUGEPAGES") == "0":
-        return 0
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        ranges = _anonymous_ranges(libc)
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def advise() -> int:
+    """Ask for huge pages on every resident anonymous mapping (a range advised before costs little: its pages are
+    already huge, and freed memory may have been mapped again at the same address); returns the bytes advised (0
+    where the platform has no madvise or the kernel refused)."""
+    libc = _libc()
+    if libc is None:
         return 0
-    global _collapsed
+    try:
+        ranges = _anonymous_ranges(libc)
+    except OSError:
+        return 0
     advised = 0
     for start, end in ranges:
         if libc.madvise(start, end - start, MADV_HUGEPAGE) == 0:
             advised += end - start
-            size = min(end - start, max(0, COLLAPSE_BUDGET - _collapsed) & ~(HUGE - 1))
-            if size and libc.madvise(start, size, MADV_COLLAPSE) == 0:  # best effort
-                _collapsed += size
+            _collapse(libc, start, end)
     return advised
+
+
+def _collapse(libc, start: int, end: int, tried: set[int] | None = None) -> None:
+    """MADV_COLLAPSE each window of [start, end) that this process has not collapsed yet (`_huge`; an address freed
+    and mapped again is not collapsed twice), within the budget; best effort. tried: windows to skip, and to add to."""
+    global _collapsed
+    for at in range(start, end, HUGE):
+        if _collapsed >= COLLAPSE_BUDGET:
+            return
+        if at in _huge or (tried is not None and at in tried):
+            continue
+        if tried is not None:
+            tried.add(at)
+        if libc.madvise(at, HUGE, MADV_COLLAPSE) == 0:
+            _huge.add(at)
+            _collapsed += HUGE
+
+
+@contextlib.contextmanager
+def while_loading():
+    """Collapse windows as they are written while the body runs (a CPU session being made; module doc): a thread
+    looks every SWEEP_SECONDS, and once more when the body has ended, before this returns."""
+    libc = _libc()
+    if libc is None or _collapsed >= COLLAPSE_BUDGET:
+        yield
+        return
+    stop, tried = threading.Event(), set()
+
+    def sweep():
+        while _collapsed < COLLAPSE_BUDGET:
+            stopping = stop.wait(SWEEP_SECONDS)
+            try:
+                for start, end in _anonymous_ranges(libc):
+                    if libc.madvise(start, end - start, MADV_HUGEPAGE) == 0:
+                        _collapse(libc, start, end, tried)
+            except OSError:  # /proc/self/maps unreadable: advise() after the session does what it can
+                return
+            if stopping:  # one last look once the session is made: what it wrote last
+                return
+
+    thread = threading.Thread(target=sweep, name="snapspec-hugepages", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -4,6 +4,7 @@ providers actually run the graph. Loading never executes code from the folder: J
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -193,13 +194,16 @@ def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
 
 def _session(source, opts: ort.SessionOptions, providers: list[str] | None,
              name: Path | None = None) -> ort.InferenceSession:
-    """A session on a graph file, or on a graph's bytes (exactness.load_graph's rewrite; `name` is its file)."""
+    """A session on a graph file, or on a graph's bytes (exactness.load_graph's rewrite; `name` is its file). A CPU
+    session's weights go on huge pages as pre-packing writes them (hugepages.while_loading)."""
     path = Path(name or source)
     source = source if isinstance(source, bytes) else str(source)
+    cpu = providers == [PROVIDERS["cpu"]]
     try:
-        if providers is None:  # a plugin EP device was added to the options
-            return ort.InferenceSession(source, opts)
-        return ort.InferenceSession(source, opts, providers=providers)
+        with hugepages.while_loading() if cpu else contextlib.nullcontext():
+            if providers is None:  # a plugin EP device was added to the options
+                return ort.InferenceSession(source, opts)
+            return ort.InferenceSession(source, opts, providers=providers)
     except Exception as exc:  # onnxruntime raises its own exception types for corrupt or truncated graphs
         msg = str(exc).splitlines()[0].split(" : FAIL : ")[-1].strip()[:500]
         raise SnapspecError(f"onnxruntime cannot load {path.name} from {path.parent}: {msg}") from None
