@@ -7,6 +7,8 @@
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
 # /tmp/gc: parts/ (the package's parts), ortgpu/, deps/ (the wheels), ortcpu/, src/ (src.tar unpacked).
+# Results of 2026-12-04: benchmarks/results/cuda-h200/gpu-check-2026-12-04.txt (run, and rollback_stress.py beside it)
+# and benchmarks/results/cpu/int4-paired-probe-intel-spr.txt (cpu).
 set -uo pipefail
 G=/tmp/gc
 cmd=${1:?stash|run|cpu}
