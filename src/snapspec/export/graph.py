@@ -55,15 +55,15 @@ def int4_block_size(dtype: str) -> int:
 
 
 def inexact_choice(block_size: int, level: int) -> str | None:
-    """Why an int4 (block, level) asked for is not exact on some CPU (a one-line reason), or None: level 4 with
-    blocks of 64 or more, whose k-row results differ from one-row results on AVX-512 as well (the runtime pairs
-    one-row calls on AVX2, and runs level 1 where that is not bitwise either); level 1 is float32 math, which int8
-    rounding cannot amplify; blocks 16 and 32 are bitwise at level 4 on AVX2 (32 with paired rows) and AVX-512."""
-    if level != 4 or block_size < 64:
+    """Why an int4 (block, level) asked for may not be exact on a CPU (a one-line reason), or None. Blocks 16-128 at
+    level 4 are bitwise on the CPUs measured, as exported or with the runtime's paired rows (AMD EPYC with AVX2 only,
+    Intel Xeon with AVX-512 and AMX: benchmarks/results/cpu/int4-paired-probe-intel-spr.txt); level 1 is float32
+    math, which int8 rounding cannot amplify. Block 256 was measured on none."""
+    if level != 4 or block_size <= 128:
         return None
-    return (f"int4 block {block_size} at accuracy level 4 is not exact on every CPU measured: a k-token forward "
-            "differs from k one-token forwards on AVX-512, so the runtime runs level 1 (float32 math, slower) there; "
-            "the default, block 32, is exact at level 4 on AVX2 (rows paired) and AVX-512")
+    return (f"int4 block {block_size} at accuracy level 4 was not measured on any CPU: where the runtime's probe finds "
+            "a k-token forward differing from k one-token forwards, even with paired rows, it runs level 1 (float32 "
+            "math, slower); blocks 16-128 are exact at level 4 on AVX2 and AVX-512")
 
 
 class Graph:
