@@ -167,7 +167,7 @@ def prepare(a, name: str, variant: str) -> tuple[Path, Path]:
     ckpt = a.ckpts / name
     folder = a.work / f"{name}-{variant}"
     if not folder.is_dir():
-        # fp32 | int4 | int4-b64 | int4-b128 (a larger int4 block: smaller and faster, k-row != 1-row results)
+        # fp32 | int4 (the default block) | int4-b16 | int4-b64 | int4-b128 (another block size)
         quant = (["--quant", "int4"] + (["--block-size", variant.split("-b")[1]] if "-b" in variant else [])
                  if variant.startswith("int4") else [])
         subprocess.run([sys.executable, "-m", "snapspec.cli.main", "export", str(ckpt), "-o", str(folder), *quant],

@@ -81,7 +81,7 @@ def test_verify_reads_a_tail_on_the_device(tiny_export):
     prompt = list(range(4, 16))
     for graph_tokens in (0, 9):
         d = Context(drafter, 64, mode="ring", window=8, graph_tokens=2)
-        ref, t = Context(target, 64, mode="replay"), Context(target, 64, mode="replay", graph_tokens=graph_tokens)
+        ref, t = Context(target, 64, mode="replay", window=8), Context(target, 64, mode="replay", window=8, graph_tokens=graph_tokens)
         for ctx in (d, ref, t):
             ctx.prefill(prompt, logits=False)
         ids = d.draft([7], 4)
@@ -94,8 +94,8 @@ def test_verify_reads_a_tail_on_the_device(tiny_export):
 def test_draft_refuses_what_it_cannot_chain(tiny_export):
     model = load(tiny_export("lfm2"), threads=1)
     with pytest.raises(SnapspecError, match="fixed-address"):
-        Context(model, 32, mode="ring").draft([1], 2)
-    ctx = Context(model, 16, mode="ring", graph_tokens=2)
+        Context(model, 32, mode="ring", window=8).draft([1], 2)
+    ctx = Context(model, 16, mode="ring", window=8, graph_tokens=2)
     ctx.prefill(list(range(3, 14)), logits=False)
     with pytest.raises(SnapspecError, match="context full"):
         ctx.draft([1], 6)  # 11 + 1 + 5 consumed > 16
@@ -169,4 +169,4 @@ def test_drafter_runs_the_graph_without_rollback_data(tiny_export, arch):
         ra, rb = a.forward([tokens[i]]), b.forward([tokens[i]])
         np.testing.assert_array_equal(ra.logits, rb.logits)
     with pytest.raises(SnapspecError, match="no replay graph"):
-        Context(drafter, 64, mode="replay")
+        Context(drafter, 64, mode="replay", window=8)

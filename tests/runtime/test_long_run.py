@@ -73,7 +73,7 @@ class _Reference:
                                self._prefilled(drafter, pos, "ring") if drafter else None) for pos in (early, late)}
 
     def _prefilled(self, model, pos: int, mode: str) -> Context:
-        ctx = Context(model, CONTEXT, mode=mode)
+        ctx = Context(model, CONTEXT, mode=mode, window=model.manifest.rollback["window"])
         ctx.prefill(self.tokens[:pos], 256, logits=False)
         return ctx
 
