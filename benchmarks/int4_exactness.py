@@ -85,12 +85,13 @@ def open_pair(name: str, kwargs: dict, work: Path, a):
 
 
 def timing(target, drafter, prompts: list[str], a) -> dict:
-    """Plain, k = 3 and adaptive tokens per second on the first prompts (cli/bench.run_bench: plain runs bracket
+    """Plain, k = 3 and adaptive tokens per second on the first prompts (bench.run.run_bench: plain runs bracket
     the speculative ones)."""
-    from snapspec.cli.bench import run_bench
+    from snapspec.bench.plan import Plan
+    from snapspec.bench.run import run_bench
     try:
-        bench = run_bench(target, drafter, prompts[:a.timing_prompts], [3], max_new_tokens=a.new_tokens,
-                          reps=a.reps, rollback="auto", adaptive=True, threads=a.threads)
+        bench = run_bench(target, [drafter], prompts[:a.timing_prompts], Plan("list", (3,)), labels=["drafter"],
+                          max_new_tokens=a.new_tokens, reps=a.reps, threads=a.threads)
     except Exception as exc:  # run_bench refuses a speculative text that differs from plain: say so, keep the rest
         return {"error": str(exc).splitlines()[0]}
     rows = {r["label"]: r for r in bench["configs"]}
