@@ -110,6 +110,13 @@ def test_load_takes_the_graph_not_the_per_round_choice(tiny_export):
         load(folder, recurrent="replay")
 
 
+def test_replaced_names_say_what_to_use():
+    with pytest.raises(ImportError, match=r"use Policy\(model\)\.open"):
+        from snapspec.runtime import open_context  # noqa: F401
+    with pytest.raises(ImportError, match="use store_for"):
+        from snapspec.runtime import stores_for  # noqa: F401
+
+
 def test_old_rollback_flag_names_the_new_one(tiny_export, capsys):
     from snapspec.cli.main import main
     code = main(["generate", "--target", str(tiny_export("qwen3_5_text")), "--prompt", "x",

@@ -24,3 +24,12 @@ from .stats import Stats
 __all__ = ["ChatSession", "PromptCache", "chat", "Context", "Draft", "Drafter", "Generator", "Model", "ModelDrafter",
            "NgramDrafter", "PREFILL_CHUNK", "PROVIDERS", "Pair", "Policy", "ROLLBACK", "RollbackError", "Rows",
            "SamplingParams", "Stats", "final_text", "generate", "load", "make_drafter", "store_for", "stream_text"]
+
+# Names that were replaced: importing one says what to use instead (a one-line error, not a bare "cannot import").
+_REPLACED = {"open_context": "Policy(model).open(model, length, side)", "stores_for": "store_for(model, side)"}
+
+
+def __getattr__(name: str):
+    if name in _REPLACED:
+        raise ImportError(f"snapspec.runtime.{name} was replaced by the rollback policy: use {_REPLACED[name]}")
+    raise AttributeError(f"module 'snapspec.runtime' has no attribute {name!r}")
