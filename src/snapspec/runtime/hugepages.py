@@ -139,7 +139,8 @@ def while_loading():
             try:
                 for start, end in _anonymous_ranges(libc):
                     if libc.madvise(start, end - start, MADV_HUGEPAGE) == 0:
-                        _collapse(libc, start, end, tried)
+                        # the last look retries what failed while it was being written (tried: skip until then)
+                        _collapse(libc, start, end, None if stopping else tried)
             except OSError:  # /proc/self/maps unreadable: advise() after the session does what it can
                 return
             if stopping:  # one last look once the session is made: what it wrote last
