@@ -135,8 +135,8 @@ def test_pairable_cpu_runs_paired_rows(pairable, tiny_export, caplog):
         m = runtime_model.load(folder, threads=1)
     assert not warnings_of(caplog) and any("paired" in n for n in m.notes)
     assert levels(folder) == {(32, 4)}
-    g = onnx.load_from_string(runtime_model.exactness.load_graph(folder / "model.onnx", __import__(
-        "onnxruntime").SessionOptions(), 1)[0])
+    import onnxruntime as ort
+    g = onnx.load_from_string(exactness.load_graph(folder / "model.onnx", ort.SessionOptions(), 1)[0])
     mnb = [n for n in g.graph.node if n.op_type == "MatMulNBits"]
     assert mnb and all(n.input[0].endswith("/paired") for n in mnb)
     check = contract.check_multi_vs_single(m)
