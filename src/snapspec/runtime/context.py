@@ -25,7 +25,9 @@ from snapspec import SnapspecError
 
 from .device.copy import Copier
 from .runners import BoundRunner, CapturedRunner, GraphIO
+from .state import host
 from .state.build import build_stores
+from .state.host import HostState
 from .state.saved import SavedState
 from .device.stream import DeviceIds, stream_for
 
@@ -79,6 +81,7 @@ class Context:
         # Forwards return the graph's `hidden` output (every fed row, on the host) in Rows.hidden: set by the Pair
         # for a drafter that reads the target's hidden states (an MTP head, drafters/mtp.py).
         self.hidden = False
+        self.batch = None  # a Scheduler (scheduler.py) that runs this context's forwards with other sequences'
         self.reset()
 
     @property
@@ -89,6 +92,11 @@ class Context:
     def depth(self) -> int:
         """The most tokens of a verify forward that bounded rollback can undo."""
         return self.recurrent.depth if self.recurrent else self.window
+
+    @property
+    def kv_rows(self) -> int | None:
+        """Rows of each KV buffer (max_len, and the spare row): contexts batched together share it."""
+        return None if self.kv is None else next(iter(self.kv.values.values())).shape()[2]
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +152,10 @@ class Context:
             raise SnapspecError(f"keep must be 1..{t} rows, got {keep}")
         if self.n_past + t > self.max_len:
             raise SnapspecError(f"context full: {self.n_past} + {t} tokens exceed the context of {self.max_len}")
+        if self.batch is not None:
+            if tail is not None:
+                ids = np.concatenate([ids, tail.read()[None]], axis=1)
+            return self._batched(ids[0], keep, logits)
         keys = self.keys()
         if self.captured is not None and self.captured.fits(keys, t, keep):
             ids, outs, best, rows = self.captured.forward(keys, ids[0], self.n_past, keep, logits, tail)
@@ -153,6 +165,21 @@ class Context:
             outs, best, rows = self.bound.forward(keys, ids, self.n_past, keep, logits)
         self.advance(keys, ids, outs)
         return Rows(best, rows if logits else None, hidden=self._hidden_rows(outs))
+
+    def _batched(self, ids: np.ndarray, keep: int, logits: bool) -> Rows:
+        """The forward through the scheduler, with other sequences' (scheduler.py). A call it ran alone comes back
+        as the bound runner's; one it padded comes back with the padded ids, whose extra rows are rolled back here:
+        to this sequence they are a rejected draft."""
+        keys, t = self.keys(), len(ids)
+        r = self.batch.forward(self, ids, keep, logits)
+        if isinstance(r, tuple):  # ran alone on the bound runner
+            outs, best, rows = r
+            self.advance(keys, ids[None], outs)
+            return Rows(best, rows if logits else None, hidden=self._hidden_rows(outs))
+        self.advance(keys, r.ids[None], r.outs)
+        if len(r.ids) > t:
+            self.rollback(self.n_past - (len(r.ids) - t))
+        return Rows(r.best, r.logits, hidden=r.hidden if self.hidden else None)
 
     def _hidden_rows(self, outs: dict) -> np.ndarray | None:
         """The forward's hidden rows on the host ([T, H]), when asked for (`hidden`) and the graph has them."""
@@ -289,6 +316,36 @@ class Context:
             saved.restore(pos)
         self.n_past = pos
         del self.tokens[pos:]
+
+    # -- host snapshots (the prefix cache, prefix_cache.py) --------------------------------------------------------
+    def take_state(self, since: int = 0) -> HostState:
+        """Host copies of the state at n_past: KV rows [since, n_past) and the live recurrent state (state/host.py).
+        The caller takes it only at a committed position (never with a draft's tokens consumed)."""
+        self._settle()
+        if self.stream is not None:
+            self.stream.sync()  # queued forwards write the state
+        return host.take(self.kv, self.recurrent, int(since), self.n_past, self.copy)
+
+    def load_state(self, parts: list[HostState], tokens) -> None:
+        """Go to pos = parts[-1].pos by writing a chain of segments covering [0, pos) into this context's buffers;
+        tokens[:pos] are the tokens they belong to. KV rows this context already holds for the same tokens are not
+        written again. Afterwards the stores say the state is at pos and nothing newer (no rollback past it)."""
+        self._settle()
+        if self.stream is not None:
+            self.stream.sync()
+        pos = host.check_chain(parts)
+        tokens = [int(t) for t in tokens[:pos]]
+        if len(tokens) != pos or pos > self.max_len:
+            raise SnapspecError(f"a state at {pos} for {len(tokens)} tokens in a context of {self.max_len}")
+        valid = next((i for i, (a, b) in enumerate(zip(self._tokens, tokens)) if a != b),
+                     min(len(self._tokens), pos))
+        try:
+            host.load(self.kv, self.recurrent, parts, valid, self.n_past, self.copy)
+        except ValueError as exc:
+            raise SnapspecError(f"state does not fit this context: {exc}") from None
+        self.n_past = pos
+        self._tokens[:] = tokens
+        self._checkpoint = None
 
     # -- inspection (tests, conformance) ------------------------------------------------------------------------
     def state_snapshot(self) -> dict[str, np.ndarray]:

@@ -163,6 +163,15 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     return model
 
 
+def open_like(model: Model, graph: bytes, path: Path) -> ort.InferenceSession:
+    """A session on another form of a model's graph (its bytes, whose weights lie beside `path`), on the model's
+    provider with the forward session's options: the scheduler's graph for several sequences (scheduler.py)."""
+    opts = _options(model.threads, model.spin)
+    opts.add_session_config_entry(exactness.EXTERNAL_FOLDER, str(Path(path).parent))
+    _, providers = configure(model.ep, opts, False)
+    return _session(graph, opts, providers, name=Path(path))
+
+
 def spinning_pays(threads: int | None) -> bool:
     """Whether a session's intra-op threads should spin between runs: yes, unless the 1-minute load average already
     exceeds the cores plus the threads this session adds. A spinning worker on an oversubscribed machine burns the

@@ -6,14 +6,18 @@ The context keeps the sequence (position, tokens, rollback, checkpoint) and choo
                token count (prefill chunks, verifies beyond the graph limit, every forward of a plain model).
   captured.py  CapturedRunner: the fixed-address forwards that CUDA graphs replay (runtime/cuda_graph.py), queued on
                the device's stream, and greedy drafts chained on the device from them.
+  batched.py   BatchedRunner: one forward over the calls of several sequences, each on its own state
+               (runtime/batched_graph.py's graph); the scheduler (runtime/scheduler.py) gathers the calls.
   io.py        GraphIO: what the forward graph takes and gives (kept rows, argmax in the graph, output shapes),
                read once and shared by both runners.
 
-A runner runs one forward and returns its outputs; the context then records it (stores, position, tokens).
+A runner runs one forward and returns its outputs; the context then records it (stores, position, tokens). A
+context attached to a scheduler hands each forward to it (Context.forward), and records what comes back the same way.
 """
 
+from .batched import BatchedRunner
 from .bound import BoundRunner
 from .captured import CapturedRunner
 from .io import GraphIO
 
-__all__ = ["BoundRunner", "CapturedRunner", "GraphIO"]
+__all__ = ["BatchedRunner", "BoundRunner", "CapturedRunner", "GraphIO"]

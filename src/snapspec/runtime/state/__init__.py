@@ -9,7 +9,8 @@ position, the tokens and the forward call. The interface, in the order a forward
 
   key(n_past)                  which buffers the next forward reads and writes (hashable: the context keeps one
                                IOBinding per combination of its stores' keys, made once)
-  bind(binding, key)           bind them; returns the output names bound, in binding order
+  bind(binding, key, suffix)   bind them (under names + suffix: one sequence's of a batched graph, batched_graph.py);
+                               returns the output names bound, in binding order
   advanced(start, t, key, outputs)   bookkeeping after a forward of t tokens from position start
   reach(pos) / rollback(pos)   the rollback mode that returns to pos (None: out of reach), and doing it
   positions()                  every position reach() accepts (None: any)
@@ -41,7 +42,7 @@ class Store:
     def key(self, n_past: int):
         return None
 
-    def bind(self, binding: ort.IOBinding, key) -> list[str]:
+    def bind(self, binding: ort.IOBinding, key, suffix: str = "") -> list[str]:
         raise NotImplementedError
 
     def advanced(self, start: int, t: int, key, outputs: dict) -> None:

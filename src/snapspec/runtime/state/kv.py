@@ -18,12 +18,12 @@ class KVCache(Store):
         self.values = {s["name"]: allocate(shape(s, ctx_len), dtype(s), device, fill) for s in specs}
         self.outputs = {out: s["name"] for s in specs for out in [s["output"], *s.get("aliases", ())]}
 
-    def bind(self, binding, key) -> list[str]:
+    def bind(self, binding, key, suffix: str = "") -> list[str]:
         for past, value in self.values.items():
-            binding.bind_ortvalue_input(past, value)
+            binding.bind_ortvalue_input(past + suffix, value)
         for present, past in self.outputs.items():
-            binding.bind_ortvalue_output(present, self.values[past])
-        return list(self.outputs)
+            binding.bind_ortvalue_output(present + suffix, self.values[past])
+        return [present + suffix for present in self.outputs]
 
     def reach(self, pos: int) -> str:
         return "truncate"

@@ -31,12 +31,12 @@ class SlotState(Store):
     def key(self, n_past: int) -> tuple[int, int]:
         return self.cur, (self.cur + 1) % len(self.slots)  # ring: the slot after cur overwrites the oldest
 
-    def bind(self, binding, key) -> list[str]:
+    def bind(self, binding, key, suffix: str = "") -> list[str]:
         src, dst = key
         for s in self.specs:
-            binding.bind_ortvalue_input(s["name"], self.slots[src][s["name"]])
-            binding.bind_ortvalue_output(s["output"], self.slots[dst][s["name"]])
-        return [s["output"] for s in self.specs]
+            binding.bind_ortvalue_input(s["name"] + suffix, self.slots[src][s["name"]])
+            binding.bind_ortvalue_output(s["output"] + suffix, self.slots[dst][s["name"]])
+        return [s["output"] + suffix for s in self.specs]
 
     def advanced(self, start: int, t: int, key, outputs: dict) -> None:
         self.slot_pos[key[1]] = start + t

@@ -1,0 +1,197 @@
+"""Many prompts at once: up to `parallel` sequences decode together, each exactly as it would alone.
+
+    batch = Batch(target, "ngram", parallel=4)
+    for event in batch.run(["def fib(n):", "class Stack:", ...], max_new_tokens=64):
+        print(event.index, event.text, event.done)
+    texts = batch.generate(prompts, max_new_tokens=64)    # or just the texts, in prompt order
+
+A Batch holds `parallel` slots. A slot is a Pair (pair.py): the target's context and the slot's own draft source
+(a drafter model on a context of its own, an n-gram table, an MTP head), sized once for `context` tokens. A
+submitted prompt takes the first free slot and runs an ordinary Generator there, in a thread of its own; the
+slot's target context hands its forwards to one Scheduler (scheduler.py), which runs the slots' one-token steps and
+verifies in one forward. So each sequence has its own state, position, draft source and draft length, joins at the
+next step boundary, and leaves (finished, cancelled, failed) without touching the others; a prompt submitted while
+every slot is busy waits for the first to free. `snapspec serve --parallel N` runs its requests on one Batch's
+scheduler the same way (cli/serve.py).
+
+Exactness: a sequence's tokens are the ones it gets alone, greedy or sampled with its seed, for every architecture
+the scheduler accepts (tests/runtime/test_batch.py: random arrivals, cancellations and draft sources against each
+prompt run alone).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+from snapspec import SnapspecError
+
+from .drafters import Drafter
+from .generation import Generator, final_text, prompt_of
+from .model import Model
+from .pair import Pair, check_context, make_drafter
+from .policy import window_of
+from .scheduler import Scheduler
+from .stats import Stats
+
+_DONE = object()
+
+
+@dataclass
+class Event:
+    """A sequence's new tokens (one step or round), or its end (done: stop_reason, stats, the final text)."""
+
+    index: int  # which prompt (its position in run(), or the submit() order)
+    tokens: list[int]  # the new token ids
+    text: str  # their text (the whole final text, cut at a stop string, when done)
+    done: bool = False
+    stop_reason: str | None = None  # eos | length | stop | cancelled | context | error
+    stats: Stats | None = None
+    error: BaseException | None = None
+
+
+class Sequence:
+    """A submitted prompt: iterate it for its events; cancel() ends it at the next step boundary."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.events: queue.Queue = queue.Queue()
+        self.generator: Generator | None = None
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            item = self.events.get()
+            if item is _DONE:
+                return
+            yield item
+
+    def result(self) -> Event:
+        """Wait for the end; the final event (its text is the whole text)."""
+        last = None
+        for last in self:
+            pass
+        if last is not None and last.error is not None:
+            raise last.error
+        return last
+
+
+class Batch:
+    def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
+                 window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True):
+        """drafter: what pair.make_drafter takes, by name, folder or Model (each slot makes its own draft source
+        from it: a Drafter object would be shared by all slots, and is refused); parallel: sequences at once;
+        context: tokens each slot holds (default: the exports' max_context); warm: make the graphs for 2..parallel
+        sequences now rather than at the first step that needs each."""
+        if int(parallel) < 1:
+            raise SnapspecError(f"parallel must be >= 1, got {parallel}")
+        if isinstance(drafter, Drafter):
+            raise SnapspecError("a Batch makes one draft source per slot: give the drafter by name (\"ngram\", "
+                                "\"mtp\"), folder or loaded Model, not a Drafter object")
+        self.target = target
+        self.drafter = make_drafter(target, drafter)  # a folder is loaded once, here
+        self.parallel = int(parallel)
+        self.scheduler = Scheduler(target, patience=patience)
+        length = check_context(target, self.drafter, context)
+        w = window_of(target, window)
+        self.pairs = []
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(self.parallel):
+            spec = self.drafter if isinstance(self.drafter, Model) or self.drafter is None else drafter
+            pair = Pair(target, spec, length=length, window=w, rollback=rollback)
+            self.scheduler.attach(pair.tctx)
+            self.pairs.append(pair)
+            self._free.put(pair)
+        if warm:
+            self.scheduler.warm(range(2, self.parallel + 1))
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def context_length(self) -> int:
+        return self.pairs[0].max_len
+
+    def submit(self, prompt, *, raw: bool = False, chat: bool = False, template_kwargs=None, index: int | None = None,
+               **generation) -> Sequence:
+        """Start a prompt (text, token ids, or messages; raw/chat/template_kwargs as generation.prompt_of) with
+        Generator's keywords (max_new_tokens, sampling, draft_max, stop_strings, ...); returns its Sequence."""
+        for key in ("drafter", "pair", "target_ctx", "drafter_ctx", "context", "window"):
+            if key in generation:
+                raise SnapspecError(f"{key} is the Batch's (set it when making the Batch)")
+        with self._lock:
+            if index is None:
+                index = self._count
+            self._count += 1
+        prompt = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else \
+            prompt_of(self.target, prompt, raw=raw, chat=chat, template_kwargs=template_kwargs)
+        seq = Sequence(index)
+        threading.Thread(target=self._run, args=(seq, prompt, generation), daemon=True,
+                         name=f"snapspec-seq-{index}").start()
+        return seq
+
+    def run(self, prompts, **generation) -> Iterator[Event]:
+        """Every prompt's events as they come (prompt i's carry index i); at most `parallel` run at once."""
+        merged: queue.Queue = queue.Queue()
+        seqs = [self.submit(p, index=i, **generation) for i, p in enumerate(prompts)]
+        pumps = [threading.Thread(target=_pump, args=(s, merged), daemon=True) for s in seqs]
+        for t in pumps:
+            t.start()
+        for _ in seqs:
+            while True:
+                event = merged.get()
+                yield event
+                if event.done:
+                    break
+
+    def generate(self, prompts, **generation) -> list[str]:
+        """The final texts, in prompt order."""
+        texts: list[str | None] = [None] * len(prompts)
+        for event in self.run(prompts, **generation):
+            if event.error is not None:
+                raise event.error
+            if event.done:
+                texts[event.index] = event.text
+        return texts
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- a sequence's thread ----------------------------------------------------------------------------------------
+    def _run(self, seq: Sequence, prompt, generation: dict) -> None:
+        pair = self._free.get()  # the first free slot; a new sequence joins at the next step boundary
+        self.scheduler.join()
+        gen, stop, error = None, None, None
+        try:
+            gen = seq.generator = Generator(self.target, prompt, pair=pair, **generation)
+            for new in gen:
+                if seq.cancelled.is_set():
+                    stop = "cancelled"
+                    break
+                seq.events.put(Event(seq.index, list(new), self.target.decode(new)))
+        except BaseException as exc:  # the sequence ends with its error; the others go on
+            error, stop = exc, "error"
+        finally:
+            self.scheduler.leave()
+            self._free.put(pair)
+        stop = stop or (gen.stop_reason if gen is not None else "error")
+        seq.events.put(Event(seq.index, [], final_text(gen) if gen is not None else "", done=True,
+                             stop_reason=stop, stats=gen.stats if gen is not None else None, error=error))
+        seq.events.put(_DONE)
+        seq.finished.set()
+
+
+def _pump(seq: Sequence, out: queue.Queue) -> None:
+    for event in seq:
+        out.put(event)

@@ -1,0 +1,110 @@
+"""One forward over the calls of several sequences (batched_graph.py's graph for that many), each on its own state.
+
+Calls of different lengths run as one of T rows, T the longest: a shorter call's rows are padded on the right with
+copies of its last token. Its real rows are computed as alone (each row's bits do not depend on the rows beside it,
+in either axis: tests/export/test_batch_rows.py), and the padded rows are, to the sequence, a rejected draft: the
+context rolls them back (Context.finish_batched). Each row's attention_mask row holds its own past + T ones and zeros
+after them, up to the longest row; the graph reads only the row sums and the width. logits_to_keep keeps, for every
+row, the rows it asked for (the most any row needs from the end, K), and each sequence gets its own slice of them.
+
+A binding is made per call (the sequences in a call change from step to step); each sequence's stores bind their
+buffers under its row's names (Store.bind's suffix), so state never moves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..batched_graph import ROW, row_name
+from .io import GraphIO
+
+
+@dataclass
+class Call:
+    """One sequence's forward, as its context asked for it."""
+
+    ctx: object  # the Context
+    keys: tuple  # its stores' keys at `start`
+    ids: np.ndarray  # [t] int64: its tokens
+    start: int  # its n_past
+    keep: int  # rows it wants back, from the end of its tokens
+    logits: bool  # whether it wants their logits
+
+
+@dataclass
+class Result:
+    """What one sequence gets back from a batched forward."""
+
+    ids: np.ndarray  # [T] the tokens the forward ran for it: its own, then the padding
+    outs: dict  # its per-row outputs (the rollback data), by their unsuffixed names, for its stores
+    best: np.ndarray  # [keep] argmax ids of its kept rows
+    logits: np.ndarray | None  # [keep, vocab]
+    hidden: np.ndarray | None  # [t, H] its fed rows' hidden states, when its context returns them
+
+
+class BatchedRunner:
+    def __init__(self, model, n: int, session):
+        self.model, self.n, self.session = model, n, session
+        self.device = model.device
+        self.io = GraphIO(session, model.manifest.rollback_data)
+        packed = model.manifest.rollback_data
+        self.packed = packed["name"] if packed else None
+        self.extra = [o for o in self.io.outputs if o not in ("logits", "next_tokens") and ROW not in o]
+
+    def forward(self, calls: list[Call]) -> list[Result]:
+        n, t_max = len(calls), max(len(c.ids) for c in calls)
+        assert n == self.n, f"a runner for {self.n} sequences got {n}"
+        ids = np.empty((n, t_max), dtype=np.int64)
+        for b, c in enumerate(calls):
+            ids[b, :len(c.ids)] = c.ids
+            ids[b, len(c.ids):] = c.ids[-1]  # padding: any token; the rows are rolled back
+        starts = np.array([c.start for c in calls], dtype=np.int64)
+        positions = starts[:, None] + np.arange(t_max, dtype=np.int64)
+        mask = (np.arange(starts.max() + t_max) < (starts + t_max)[:, None]).astype(np.int64)
+        kept = max(t_max - len(c.ids) + c.keep for c in calls)
+        host_logits = any(c.logits for c in calls) or not self.io.argmax_in_graph
+        hidden = any(c.ctx.hidden for c in calls) and "hidden" in self.io.outputs
+
+        b = self.session.io_binding()
+        b.bind_cpu_input("input_ids", ids)
+        if self.model.position_ids(0, 1) is not None:
+            b.bind_cpu_input("position_ids", positions)
+        b.bind_cpu_input("attention_mask", mask)
+        keep = np.array(kept, dtype=np.int64)
+        if self.io.keeps_rows:
+            b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], keep.ctypes.data)
+        order: list[str] = []
+        for r, c in enumerate(calls):
+            for store, key in zip(c.ctx.stores, c.keys):
+                order += store.bind(b, key, suffix=row_name("", r))
+            if self.packed:
+                name = row_name(self.packed, r)
+                b.bind_output(name, self.device)
+                order.append(name)
+        for name in self.extra:
+            b.bind_output(name, "cpu" if name == "hidden" and hidden else self.device)
+            order.append(name)
+        if host_logits:
+            b.bind_output("logits", "cpu")
+            order.append("logits")
+        if self.io.argmax_in_graph:
+            b.bind_output("next_tokens", "cpu")
+            order.append("next_tokens")
+        self.session.run_with_iobinding(b)
+        outs = dict(zip(order, b.get_outputs()))
+
+        logits = outs["logits"].numpy() if host_logits else None
+        best = outs["next_tokens"].numpy() if self.io.argmax_in_graph else logits.argmax(axis=-1)
+        states = outs["hidden"].numpy() if hidden else None
+        results = []
+        for r, c in enumerate(calls):
+            t = len(c.ids)
+            first = t - c.keep - (t_max - kept)  # its kept rows within the K rows the graph kept
+            rows = slice(first, first + c.keep)
+            results.append(Result(
+                ids[r], {self.packed: outs[row_name(self.packed, r)]} if self.packed else {},
+                best[r, rows].copy(), logits[r, rows].copy() if c.logits else None,
+                states[r, :t].copy() if states is not None and c.ctx.hidden else None))
+        return results
