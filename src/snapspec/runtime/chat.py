@@ -35,6 +35,8 @@ from .drafters import Drafter
 from .generation import Generator, final_text, generate, stream_text
 from .model import Model
 from .pair import Pair, check_context
+from .prefix_cache import PrefixCache
+from .snapshots import Snapshots
 from .prompt import FrontDoor, Prompt, common_prefix
 from .state.saved import SavedState
 from .stats import Stats
@@ -102,20 +104,35 @@ class _Mark:
     def restore(self) -> None:
         self.ctx.restore_saved(self.copy, len(self.tokens))
 
+    def hold(self, ids) -> int:
+        """Bring the context to the longest prefix of ids it can keep: rollback, or the mark when that keeps more.
+        Returns the length kept."""
+        ctx = self.ctx
+        common = common_prefix(ctx.tokens, ids[:-1])
+        reach = ctx.positions()
+        by_rollback = common if reach is None else max((p for p in reach if p <= common), default=0)
+        if by_rollback < self.usable(ids) <= common:
+            self.restore()
+        return ctx.resume(ids)
+
 
 class PromptCache:
     """A Pair whose contexts live across generations, each context with a mark (module doc)."""
 
     def __init__(self, target: Model, drafter=None, context: int | None = None, window: int | None = None,
-                 rollback: str = "auto", *, plain: bool = False):
+                 rollback: str = "auto", *, plain: bool = False, prefix_cache: PrefixCache | None = None):
         """drafter: anything pair.make_drafter takes; context: tokens the conversations may reach (default: the
         exports' max_context; more is an error); plain: the front door joins messages as plain text
-        (--no-chat-template)."""
+        (--no-chat-template); prefix_cache: snapshots shared with other PromptCaches of the same target and draft
+        source (prefix_cache.py), looked up when the contexts hold less and saved while prefilling."""
         self.door = FrontDoor(target, plain=plain)  # the conversations' prompts, with their stops
         self.pair = Pair(target, drafter, length=check_context(target, drafter, context), window=window,
                          rollback=rollback)
         self.marks = [_Mark(c) for c in self.pair.contexts]
         self.costs = None  # the adaptive draft length's cost model, measured once and handed to each Generator
+        self.prefix = prefix_cache
+        if prefix_cache is not None:
+            self.snapshots = Snapshots(self.pair, prefix_cache)
 
     @property
     def tctx(self) -> Context:
@@ -146,30 +163,38 @@ class PromptCache:
         kwargs.pop("window", None)  # the pair's
         return CachedGenerator(self, prompt, **kwargs)
 
-    def prepare(self, ids, base: int, chunk: int | None, stats: Stats) -> tuple[int, np.ndarray | None]:
-        """Returns (the prompt tokens the target context kept, the target's hidden rows of what it prefilled here,
-        when it returns them)."""
-        kept_by_target, hidden = 0, None
+    def prepare(self, ids, base: int, chunk: int | None, stats: Stats,
+                boundaries=()) -> tuple[int, np.ndarray | None]:
+        """Bring the contexts to the longest prefix of ids they hold (rollback, else the mark), or the prefix
+        cache's when that is longer; prefill them to base (with a prefix cache, in pieces ending on each snapshot
+        point: the stride and the message boundaries, saving there) and mark the state at base. Returns (the prompt
+        tokens the target did not prefill, the target's hidden rows of what it prefilled here, when it returns
+        them)."""
         for mark in self.marks:
-            ctx = mark.ctx
-            common = common_prefix(ctx.tokens, ids[:-1])
-            reach = ctx.positions()
-            by_rollback = common if reach is None else max((p for p in reach if p <= common), default=0)
-            if by_rollback < mark.usable(ids) <= common:
-                mark.restore()
-            kept = ctx.resume(ids)
-            if kept < base:
-                rows = ctx.prefill(ids[kept:base], chunk, logits=False)
-                if ctx is self.tctx:
-                    stats.target_forwards += rows.forwards
-                    hidden = rows.hidden
-                else:
-                    stats.drafter_forwards += rows.forwards
-            if ctx.n_past == base:
+            mark.hold(ids)
+        kept = self.tctx.n_past
+        if self.prefix is not None:
+            loaded = self.snapshots.load(ids, kept)
+            stats.prompt_cached = loaded - kept if loaded > kept else 0
+            kept = max(kept, loaded)
+        start = max(c.n_past for c in self.pair.contexts)
+        points = [base] if self.prefix is None else self.snapshots.points(start, base, boundaries)
+        hidden = []
+        for point in points:
+            for ctx in self.pair.contexts:
+                if ctx.n_past < point:
+                    rows = ctx.prefill(ids[ctx.n_past:point], chunk, logits=False)
+                    if ctx is self.tctx:
+                        stats.target_forwards += rows.forwards
+                        hidden += [] if rows.hidden is None else [rows.hidden]
+                    else:
+                        stats.drafter_forwards += rows.forwards
+            if self.prefix is not None:
+                self.snapshots.save(ids, point, hidden, stats)
+        for mark in self.marks:
+            if mark.ctx.n_past == base:
                 mark.save()
-            if ctx is self.tctx:
-                kept_by_target = kept
-        return kept_by_target, hidden
+        return kept, np.concatenate(hidden) if hidden else None
 
 
 class CachedGenerator(Generator):
@@ -177,10 +202,10 @@ class CachedGenerator(Generator):
 
     def __init__(self, cache: PromptCache, prompt: Prompt, **kwargs):
         super().__init__(cache.pair.target, prompt, pair=cache.pair, **kwargs)
-        self.cache, self.base = cache, prompt.base
+        self.cache, self.base, self.boundaries = cache, prompt.base, prompt.boundaries
 
     def _prefill(self):
-        kept, hidden = self.cache.prepare(self.prompt, self.base, self.prefill_chunk, self.stats)
+        kept, hidden = self.cache.prepare(self.prompt, self.base, self.prefill_chunk, self.stats, self.boundaries)
         rows = super()._prefill()
         if hidden is not None and rows.hidden is not None:  # the head sees every prompt row, marked prefix included
             rows.hidden = np.concatenate([hidden, rows.hidden])

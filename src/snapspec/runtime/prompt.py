@@ -38,6 +38,7 @@ class Prompt:
     ids: list[int]
     base: int  # tokens of the conversation before its generation prompt (text: all but the last)
     stop_ids: set[int] = field(default_factory=set)  # end-of-turn tokens: a Generator given this Prompt stops there
+    boundaries: list[int] = field(default_factory=list)  # message boundaries before base (a prefix cache saves there)
 
 
 class FrontDoor:
@@ -68,17 +69,39 @@ class FrontDoor:
         (enable_thinking)."""
         self.require_chat()
         if self.plain:
-            ids = self.format.encode_text("".join(_text(m.get("content", "")) + PLAIN_END
-                                                  for m in normalize_messages(messages)))
-            return Prompt(ids, max(len(ids) - 1, 0), self.format.end_of_turn_ids)
-        ids = self.format.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
-        done = self.format.encode_chat(messages, add_generation_prompt=False, **template_kwargs)
-        return Prompt(ids, max(min(common_prefix(ids, done), len(ids) - 1), 0), self.format.end_of_turn_ids)
+            def render(part):
+                return self.format.encode_text("".join(_text(m.get("content", "")) + PLAIN_END
+                                                       for m in normalize_messages(part)))
+            ids = render(messages)
+            base = max(len(ids) - 1, 0)
+        else:
+            def render(part):
+                return self.format.encode_chat(part, add_generation_prompt=False, **template_kwargs)
+            ids = self.format.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
+            base = max(min(common_prefix(ids, render(messages)), len(ids) - 1), 0)
+        return Prompt(ids, base, self.format.end_of_turn_ids, _system_boundary(messages, ids, base, render))
 
     def text(self, text: str | list[int]) -> Prompt:
         """Plain continuation of text (BOS / EOS as the tokenizer's post-processor adds them) or of token ids."""
         ids = self.format.encode_text(text) if isinstance(text, str) else [int(t) for t in text]
         return Prompt(ids, max(len(ids) - 1, 0))
+
+
+def _system_boundary(messages, ids, base: int, render) -> list[int]:
+    """Where the leading system (or developer) messages end in ids, when a message follows them: conversations that
+    share a system prompt share the state there (a prefix cache snapshots it). One more render, of those messages
+    alone; the boundary is where its tokens stop agreeing with ids."""
+    k = 0
+    while k < len(messages) and isinstance(messages[k], dict) and messages[k].get("role") in ("system", "developer"):
+        k += 1
+    if k == 0 or k == len(messages):
+        return []
+    try:
+        head = render(list(messages[:k]))
+    except SnapspecError:  # a template that refuses a conversation without a user message: no boundary there
+        return []
+    b = common_prefix(ids, head)
+    return [b] if 0 < b < base else []
 
 
 def is_messages(prompt) -> bool:

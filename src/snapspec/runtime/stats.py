@@ -18,6 +18,7 @@ class Stats:
     prompt_tokens: int = 0
     prompt_prefilled: int = 0  # prompt tokens the target consumed in this generation
     prompt_reused: int = 0  # prompt tokens its context already held (a resumed context: multi-turn chat)
+    prompt_cached: int = 0  # of those, tokens loaded from a prefix cache (prefix_cache.py) rather than held
     new_tokens: int = 0
     rounds: int = 0
     drafted: int = 0

@@ -67,6 +67,10 @@ class Extras:
     costs: Callable[..., Costs | None] | None = None  # (tctx, n_max, reps=, tokens=) -> the cost model's terms
     chooser: Callable[[int, Costs | None], DraftLengthChooser] = DraftLengthChooser  # (k_max, costs) -> chooser
     ready: Callable[[list[int]], bool] | None = None  # seq -> would a draft be found now (None: always)
+    # State of its own that the prefix cache snapshots (prefix_cache.py): an object with size(length),
+    # follow(prefix, hidden, stats), take_state(since) and load_state(parts, tokens) (an MTP head); a drafter
+    # model's context is snapshotted as a context, a stateless source (n-gram lookup) needs none.
+    snapshots: object = None
 
 
 class Drafter(ABC):

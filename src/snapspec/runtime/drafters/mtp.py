@@ -32,6 +32,9 @@ import numpy as np
 from snapspec import SnapspecError
 
 from ..adaptive import Costs, measure_costs
+from ..device.copy import Copier
+from ..state import host
+from ..state.host import HostState
 from .base import Draft, Drafter, Extras
 from .mtp_chain import ChainedHead
 from .mtp_head import OnnxHead, check_head
@@ -61,7 +64,7 @@ class MtpDrafter(Drafter):
         self._draft = Draft([])
         self._end = 0  # where the next plain target step's rows end (the position of seq[-1])
         self._warned = False
-        self.extras = Extras(hidden=True, costs=self.measure_costs)
+        self.extras = Extras(hidden=True, costs=self.measure_costs, snapshots=self)
 
     def size(self, length: int) -> None:
         """The generation's context length: the head's KV holds as many positions (made, or grown, here)."""
@@ -76,9 +79,19 @@ class MtpDrafter(Drafter):
     def start(self, prompt, *, sampling, rng, stats, prefill=None, constraint=None, length=None) -> None:
         super().start(prompt, sampling=sampling, rng=rng, stats=stats, constraint=constraint)
         self.size(max(int(length or 0), len(prompt) + 1))
-        n = len(prompt)
         if prefill is None or prefill.hidden is None:
             raise SnapspecError("the target's prefill returned no hidden rows for the MTP head")
+        self.follow(prompt, prefill.hidden)
+        self._round, self._end = None, len(prompt)  # the first token, at position n
+
+    def follow(self, prompt, hidden: np.ndarray, stats=None) -> None:
+        """Bring the head to a prefix the target has consumed (hidden: the target's rows of its last len(hidden)
+        positions): the pairs up to position n - 2 consumed, h_{n-1} waiting for the token after the prefix. start()
+        does it for the prompt; a PromptCache before each snapshot of its prefill (take_state), counting the head's
+        forwards into that generation's stats."""
+        if stats is not None:
+            self.stats = stats
+        n = len(prompt)
         common = 0
         limit = min(len(self._known), n)
         while common < limit and self._known[common] == prompt[common]:
@@ -86,13 +99,43 @@ class MtpDrafter(Drafter):
         # h_p depends on tokens 0..p only: the rows held (and the head's pairs, pair p reads t_{p+1}) stay valid
         # inside the prefix the new prompt shares with the last sequence: the tokens known to match, or, beyond them
         # (a last plain step's token is never shown to a drafter), what the target kept of its own context.
-        same = max(common, n - len(prefill.hidden))
+        same = max(common, n - len(hidden))
         self.head.truncate(min(self.head.n_past, max(same - 1, 0)))
         self._hidden = {p: h for p, h in self._hidden.items() if self.head.n_past <= p < same}
-        self._store(prefill.hidden, n - 1, n - 1)
+        self._store(hidden, n - 1, n - 1)
         self._known = list(prompt)
-        self._round, self._end = None, n  # the first token, at position n
         self._catch_up(prompt, n - 1)
+
+    # -- the prefix cache (prefix_cache.py) --------------------------------------------------------------------------
+    # The head's state after follow(prefix of n tokens): its KV rows of positions 0..n-2 and h_{n-1}. A snapshot at
+    # target position n with its parent at p holds head rows [max(p - 1, 0), n - 1) and that one hidden row.
+    def take_state(self, since: int) -> HostState:
+        n = len(self._known)
+        if self.head.n_past != n - 1 or n - 1 not in self._hidden:
+            raise SnapspecError(f"the MTP head is at {self.head.n_past}, not at the snapshot's {n - 1}")
+        a, copy = max(since - 1, 0), Copier(self.head.device)
+        rows = {name: host.read_rows(v, a, n - 1, copy) for name, v in self.head.kv.values.items()}
+        return HostState(a, n - 1, rows, {"hidden": np.array(self._hidden[n - 1])})
+
+    def load_state(self, parts: list[HostState], tokens) -> None:
+        """Put the head where follow(tokens) would leave it, from a chain of snapshots (rows the head already holds
+        for the same tokens are not written again)."""
+        tokens = [int(t) for t in tokens]
+        pos = host.check_chain(parts)
+        if pos != max(len(tokens) - 1, 0):
+            raise SnapspecError(f"MTP head state at {pos} for {len(tokens)} tokens")
+        same = next((i for i, (a, b) in enumerate(zip(self._known, tokens)) if a != b), min(len(self._known), pos))
+        valid = min(self.head.n_past, max(same - 1, 0))
+        copy = Copier(self.head.device)
+        for p in parts:
+            skip = max(valid - p.start, 0)
+            if p.pos > valid:
+                for name, value in self.head.kv.values.items():
+                    host.write_rows(value, p.start + skip, p.rows[name][..., skip:, :], copy)
+        row = parts[-1].state["hidden"]
+        self.head.n_past = pos
+        self._hidden, self._known, self._zero = {pos: row}, tokens, row
+        self._round = None
 
     def propose(self, seq: list[int], k: int) -> Draft:
         n, st = len(seq), self.stats
