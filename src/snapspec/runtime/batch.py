@@ -84,11 +84,13 @@ class Sequence:
 
 class Batch:
     def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
-                 window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True):
+                 window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True,
+                 scheduler: Scheduler | None = None):
         """drafter: what pair.make_drafter takes, by name, folder or Model (each slot makes its own draft source
         from it: a Drafter object would be shared by all slots, and is refused); parallel: sequences at once;
         context: tokens each slot holds (default: the exports' max_context); warm: make the graphs for 2..parallel
-        sequences now rather than at the first step that needs each."""
+        sequences now rather than at the first step that needs each; scheduler: another Batch's (its `scheduler`),
+        to run this Batch's sequences in the same forwards as that one's (two draft sources in one batch)."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
         if isinstance(drafter, Drafter):
@@ -97,7 +99,8 @@ class Batch:
         self.target = target
         self.drafter = make_drafter(target, drafter)  # a folder is loaded once, here
         self.parallel = int(parallel)
-        self.scheduler = Scheduler(target, patience=patience)
+        self.scheduler = scheduler or Scheduler(target, patience=patience)
+        self._owns_scheduler = scheduler is None
         length = check_context(target, self.drafter, context)
         w = window_of(target, window)
         self.pairs = []
@@ -160,7 +163,8 @@ class Batch:
         return texts
 
     def close(self) -> None:
-        self.scheduler.close()
+        if self._owns_scheduler:
+            self.scheduler.close()
 
     def __enter__(self) -> Batch:
         return self

@@ -214,6 +214,14 @@ def batchable(model) -> str | None:
         return "its graph takes several rows of positions (an onnxruntime-genai folder)"
     if any(s["shape"][0] != "batch" for s in m.state):
         return "its state tensors have no batch axis"
+    if any(s["role"] == "swa_key" for s in m.state):
+        return ("its sliding-window layers place their window by the batch's common past length "
+                "(export/blocks/sliding.py), so sequences of different lengths cannot share a forward; serve it with "
+                "--parallel 1")
+    export = m.data["export"]
+    if model.device == "cpu" and export.get("quant") == "int4" and export.get("int4_accuracy_level") == 1:
+        return ("its int4 MatMulNBits run at accuracy level 1, whose rows on CPU depend on how many run together "
+                "(docs/exactness.md, \"Along the batch axis\"); serve it with --parallel 1")
     return None
 
 

@@ -1,0 +1,187 @@
+"""Continuous batching (runtime/batch.py, scheduler.py): every sequence's tokens, run with others in one forward per
+step, equal its tokens run alone (the oracle: the same Generator on a context of its own, no scheduler), bit for bit.
+
+- every architecture, fp32 and the default int4 export, greedy with n-gram drafts (padded verify rows of different
+  lengths in one forward) and sampled plain decoding (each sequence's seed: the sampled law holds per sequence
+  because each sequence draws exactly what it draws alone);
+- random arrivals, cancellations and draft sources mixed in one batch (two Batches on one scheduler: n-gram, MTP, a
+  drafter model, none), hypothesis choosing them;
+- what the scheduler refuses, with one-line errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from snapspec import SnapspecError
+from snapspec.runtime import Generator, SamplingParams, load
+from snapspec.runtime.batch import Batch
+from snapspec.runtime.scheduler import Scheduler, batchable
+from tiny import MODEL_TYPES
+
+NEW = 16
+CONTEXT = 96
+
+
+def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths, every other one repeating itself (n-gram lookups find drafts there, some
+    accepted, and calls of different lengths meet in one forward)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        size = int(rng.integers(5, 30))
+        motif = rng.integers(3, vocab, size=int(rng.integers(2, 6)) if i % 2 == 0 else size).tolist()
+        out.append((motif * 8)[:size])
+    return out
+
+
+def alone(target, prompt, drafter=None, **kw) -> list[int]:
+    return Generator(target, prompt, drafter=drafter, context=CONTEXT, **kw).run()
+
+
+def together(batch: Batch, ps, **kw) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(ps))}
+    for e in batch.run(ps, **kw):
+        if e.error is not None:
+            raise e.error
+        tokens[e.index] += e.tokens
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_export, tiny_model, tmp_path_factory):
+    cache = {}
+
+    def get(arch: str, quant: str = "none", mtp: bool = False):
+        if (arch, quant, mtp) not in cache:
+            kw = {"quant": quant} if quant != "none" else {}
+            if mtp:
+                from snapspec.export import export
+                folder = tmp_path_factory.mktemp(f"batch-mtp-{arch}") / "out"
+                export(tiny_model(arch, mtp=True), folder, log=lambda *a: None, **kw)
+            else:
+                folder = tiny_export(arch, **kw)
+            cache[arch, quant, mtp] = load(folder, threads=1)
+        return cache[arch, quant, mtp]
+
+    return get
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+@pytest.mark.parametrize("arch", MODEL_TYPES)
+def test_batched_equals_alone(arch, quant, loaded):
+    """5 prompts on 3 slots (two wait for a free slot and join mid-run), greedy with n-gram drafts; then 3 sampled
+    with their own seeds. Every token list equals the prompt's alone."""
+    t = loaded(arch, quant)
+    why = batchable(t)
+    if why is not None:
+        with pytest.raises(SnapspecError, match="cannot run sequences in one forward"):
+            Batch(t, parallel=2, context=CONTEXT)
+        pytest.skip(f"refused, as it must be: {why}")
+    ps = prompts(t.vocab_size, 5, seed=len(arch))
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False)
+    with Batch(t, "ngram", parallel=3, context=CONTEXT) as b:
+        got = together(b, ps, draft_max=3, **kw)
+        counters = b.scheduler.counters
+    for i, p in enumerate(ps):
+        assert got[i] == alone(t, p, "ngram", draft_max=3, **kw), f"prompt {i} differs from its run alone"
+    assert counters.batched_forwards > 0, "no forward ran two sequences"
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, seed=10 + i) for i in range(3)]
+    with Batch(t, parallel=3, context=CONTEXT) as b:
+        seqs = [b.submit(p, sampling=s, **kw) for p, s in zip(ps, sampled)]
+        got = [[tok for e in s for tok in e.tokens] for s in seqs]
+    for i, (p, s) in enumerate(zip(ps, sampled)):
+        assert got[i] == alone(t, p, sampling=s, **kw), f"sampled prompt {i} differs from its run alone"
+
+
+def test_padded_rows_are_rolled_back(loaded):
+    """Calls of different lengths run as one padded forward (the counters see padding) and every sequence still
+    equals its run alone: the padded rows were rolled back like rejected drafts."""
+    t = loaded("qwen3_5")
+    ps = prompts(t.vocab_size, 4, seed=3)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False, draft_max=4)
+    with Batch(t, "ngram", parallel=4, context=CONTEXT) as b:
+        got = together(b, ps, **kw)
+        assert b.scheduler.counters.padded_rows > 0
+    assert [got[i] for i in range(4)] == [alone(t, p, "ngram", **kw) for p in ps]
+
+
+SOURCES = ["none", "ngram", "mtp", "drafter"]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_arrivals_cancellations_and_sources(loaded, data):
+    """Two Batches (two draft sources) on one scheduler; prompts arrive after random delays; some are cancelled
+    after a random number of events. Finished sequences equal their runs alone; cancelled ones emitted a prefix of
+    it, and the others never noticed."""
+    t = loaded("qwen3_5", mtp=True)
+    d = loaded("qwen3_5_text")
+    sources = data.draw(st.lists(st.sampled_from(SOURCES), min_size=2, max_size=2, unique=True), label="sources")
+    spec = {"none": None, "ngram": "ngram", "mtp": "mtp", "drafter": d}
+    n = data.draw(st.integers(2, 5), label="prompts")
+    ps = prompts(t.vocab_size, n, seed=data.draw(st.integers(0, 99), label="seed"))
+    which = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n), label="source of each")
+    delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01, 0.05]), min_size=n, max_size=n), label="delays")
+    cancel_after = data.draw(st.lists(st.sampled_from([None, None, 1, 3]), min_size=n, max_size=n), label="cancel")
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False, draft_max=3)
+    first = Batch(t, spec[sources[0]], parallel=2, context=CONTEXT)
+    second = Batch(t, spec[sources[1]], parallel=2, context=CONTEXT, scheduler=first.scheduler)
+    batches = (first, second)
+    results: dict[int, tuple[list[int], str]] = {}
+
+    def client(i: int) -> None:
+        time.sleep(delays[i])
+        seq = batches[which[i]].submit(ps[i], **kw)
+        got, events = [], 0
+        for e in seq:
+            if e.error is not None:
+                results[i] = ([], f"error {e.error}")
+                return
+            got += e.tokens
+            events += 1
+            if cancel_after[i] is not None and events >= cancel_after[i] and not e.done:
+                seq.cancel()
+            if e.done:
+                results[i] = (got, e.stop_reason)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    first.close()
+    for i in range(n):
+        got, reason = results[i]
+        solo = alone(t, ps[i], spec[sources[which[i]]], **kw)
+        if reason == "cancelled":
+            assert got == solo[:len(got)], f"prompt {i} (cancelled) emitted tokens it does not emit alone"
+        else:
+            assert reason == "length" and got == solo, f"prompt {i} ({sources[which[i]]}) differs from alone"
+
+
+def test_refusals(loaded, tiny_export):
+    """A Drafter object (shared by every slot) and parallel < 1 are one-line errors; a context of another model
+    cannot join a scheduler."""
+    from snapspec.runtime import NgramDrafter
+
+    t, other = loaded("qwen3_5"), loaded("lfm2")
+    with pytest.raises(SnapspecError, match="one draft source per slot"):
+        Batch(t, NgramDrafter(t.vocab_size), parallel=2, context=CONTEXT)
+    with pytest.raises(SnapspecError, match="parallel must be >= 1"):
+        Batch(t, parallel=0, context=CONTEXT)
+    s = Scheduler(t)
+    try:
+        from snapspec.runtime import Pair
+        with pytest.raises(SnapspecError, match="its own model"):
+            s.attach(Pair(other, None, length=CONTEXT).tctx)
+    finally:
+        s.close()
+    with Batch(t, parallel=1, context=CONTEXT) as b:
+        with pytest.raises(SnapspecError, match="is the Batch's"):
+            b.submit([5, 6, 7], drafter="ngram")
