@@ -129,6 +129,26 @@ def probe(block_size: int, level: int, threads: int | None = None, rows: int = P
     return Verdict(block_size, level, bitwise, worst, rows, paired)
 
 
+@functools.lru_cache(maxsize=None)
+def several_rows_bitwise(block_size: int, level: int, threads: int | None = None, rows: int = PROBE_ROWS) -> bool:
+    """Whether calls of 2..rows rows, as exported, give each row the bits that the paired one-row call gives it.
+    A batched forward of several sequences (runtime/scheduler.py) never makes a one-row MatMulNBits call, so where
+    this holds its graph needs no pairing, and a one-token step of B sequences runs B rows, not 2B."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    import onnx
+
+    graph = probe_graph(block_size, level)
+    plain = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+    paired = ort.InferenceSession(pair_rows(onnx.load_from_string(graph)).SerializeToString(), opts,
+                                  providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(2).standard_normal((1, rows, PROBE_K)).astype(np.float32)
+    one = np.concatenate([paired.run(None, {"X": x[:, i:i + 1]})[0] for i in range(rows)], axis=1)
+    return all(np.array_equal(plain.run(None, {"X": x[:, :k]})[0], one[:, :k]) for k in range(2, rows + 1))
+
+
 def compare_rows(run, x: np.ndarray) -> tuple[bool, float]:
     """(bitwise, largest difference) of run(x[:, :k]) against run on each row alone, k = 2..R; x is [1, R, K]."""
     one = np.concatenate([run(x[:, i:i + 1]) for i in range(x.shape[1])], axis=1)

@@ -227,7 +227,10 @@ def batchable(model) -> str | None:
 
 def batched_session(model, n: int):
     """A session on the model's forward graph rewritten for n sequences (batched_graph.batched), on the model's
-    provider and options; an int4 graph on CPU first as load() runs it (runtime/exactness.py)."""
+    provider and options. An int4 graph on CPU that load() runs with paired rows (runtime/exactness.py) runs here
+    as exported where calls of several rows already give each row the paired one-row call's bits
+    (exactness.several_rows_bitwise): n >= 2 sequences never make a one-row call, and pairing would double the
+    rows of every step."""
     import onnx
 
     from . import exactness
@@ -235,13 +238,17 @@ def batched_session(model, n: int):
 
     m = model.manifest
     path = m.graph_path("forward")
-    opts = None
     source = str(path)
     if model.device == "cpu" and m.data["export"].get("quant") == "int4":
         import onnxruntime as ort
-        opts = ort.SessionOptions()
-        source, _ = exactness.load_graph(path, opts, model.threads)
-    graph = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source, load_external_data=False)
+        source, _ = exactness.load_graph(path, ort.SessionOptions(), model.threads)
+        graph = onnx.load(str(path), load_external_data=False)
+        kinds = exactness.graph_kinds(graph)
+        if isinstance(source, bytes) and not all(exactness.several_rows_bitwise(b, lv, model.threads)
+                                                 for b, lv in kinds):
+            graph = onnx.load_from_string(source)  # rows stay paired (or at level 1), as alone
+    else:
+        graph = onnx.load(source, load_external_data=False)
     packed = m.rollback_data
     graph = batched(graph, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
     return open_like(model, graph.SerializeToString(), path)

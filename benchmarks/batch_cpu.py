@@ -1,0 +1,130 @@
+"""Continuous batching (issue 37): N prompts served together against the same prompts served one at a time, in one
+run, on one exported target (a draft source optional).
+
+Sequential: one Pair (the server's --parallel 1 slot), each prompt a Generator after the last, its context reset in
+between. Together: a Batch of --parallel slots, every prompt submitted at once (`Batch.generate`). Aggregate
+tokens/s = all new tokens over the wall time of the whole set; each prompt's tokens together must equal its tokens
+alone (the run fails otherwise). Reported beside it: the scheduler's forwards, how many ran several sequences, the
+rows run and the padded rows among them, and the per-prompt time to first token in both modes.
+
+python benchmarks/batch_cpu.py --target T [--drafter ngram|mtp|FOLDER] --parallel 4 \
+    --prompts ../shared/models/pair-a/prompts.jsonl --limit 4 --new 128 --threads 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def cpu() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return platform.processor()
+    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = [f for f in info.get("Flags", "").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return f"{info.get('Model name', '?').strip()}; {info.get('CPU(s)', '?').strip()} CPUs; {' '.join(flags)}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--drafter", default=None, help="ngram, mtp, or a drafter folder (default: plain decoding)")
+    p.add_argument("--parallel", type=int, default=4)
+    p.add_argument("--prompts", type=Path, required=True, help="JSONL with a 'prompt' field, or a text file per line")
+    p.add_argument("--limit", type=int, default=4, help="prompts used (default: --parallel)")
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--draft-max", default="4")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--context", type=int, default=None, help="tokens per slot (default: longest prompt + new + 16)")
+    p.add_argument("--reps", type=int, default=1, help="sequential/together pairs, alternated (A B A B ...)")
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args(argv)
+
+    from snapspec.runtime import Generator, Pair, load
+    from snapspec.runtime.batch import Batch
+
+    target = load(a.target, threads=a.threads)
+    drafter = a.drafter
+    if drafter not in (None, "ngram", "mtp"):
+        drafter = load(Path(drafter), role="drafter", threads=a.threads)
+    lines = [line for line in a.prompts.read_text().splitlines() if line.strip()]
+    texts = [json.loads(line)["prompt"] if a.prompts.suffix == ".jsonl" else line for line in lines][:a.limit]
+    prompts = [target.encode(t) for t in texts]
+    context = a.context or max(map(len, prompts)) + a.new + 16
+    draft_max = a.draft_max if a.draft_max == "auto" else int(a.draft_max)
+    kw = dict(max_new_tokens=a.new, stop_at_eos=False)
+    if drafter is not None:
+        kw["draft_max"] = draft_max
+
+    pair = Pair(target, drafter, length=context)
+    batch = Batch(target, drafter, parallel=a.parallel, context=context)
+
+    def sequential():
+        out, ttft = [], []
+        start = time.perf_counter()
+        for ids in prompts:
+            pair.reset()
+            t0 = time.perf_counter()
+            gen = Generator(target, ids, pair=pair, **kw)
+            first = None
+            for _ in gen:
+                first = first or time.perf_counter() - t0
+            out.append(gen.tokens)
+            ttft.append(first)
+        return out, time.perf_counter() - start, ttft
+
+    def together():
+        for p_ in batch.pairs:
+            p_.reset()
+        before = dict(vars(batch.scheduler.counters))
+        start = time.perf_counter()
+        seqs = [batch.submit(ids, **kw) for ids in prompts]
+        out, ttft = [], []
+        for s in seqs:
+            toks, first = [], None
+            for e in s:
+                if e.error is not None:
+                    raise e.error
+                first = first or time.perf_counter() - start
+                toks += e.tokens
+            out.append(toks)
+            ttft.append(first)
+        wall = time.perf_counter() - start
+        counters = {k: v - before[k] for k, v in vars(batch.scheduler.counters).items()}
+        return out, wall, ttft, counters
+
+    runs = []
+    for rep in range(a.reps):
+        seq_out, seq_wall, seq_ttft = sequential()
+        tog_out, tog_wall, tog_ttft, counters = together()
+        equal = [x == y for x, y in zip(seq_out, tog_out)]
+        tokens = sum(map(len, seq_out))
+        runs.append({"rep": rep, "tokens": tokens, "sequential_s": seq_wall, "together_s": tog_wall,
+                     "sequential_tps": tokens / seq_wall, "together_tps": tokens / tog_wall,
+                     "ratio": seq_wall / tog_wall, "equal": equal, "sequential_ttft": seq_ttft,
+                     "together_ttft": tog_ttft, "counters": counters})
+        print(f"rep {rep}: {tokens} tokens; one at a time {tokens / seq_wall:.1f} t/s, {a.parallel} together "
+              f"{tokens / tog_wall:.1f} t/s: {seq_wall / tog_wall:.2f}x; texts equal {sum(equal)}/{len(equal)}; "
+              f"{counters}", flush=True)
+        if not all(equal):
+            print("FAIL: a prompt's tokens together differ from alone", file=sys.stderr)
+            return 1
+    batch.close()
+    result = {"cpu": cpu(), "target": str(a.target), "drafter": a.drafter, "parallel": a.parallel,
+              "prompts": len(prompts), "new": a.new, "threads": a.threads, "draft_max": a.draft_max, "runs": runs,
+              "ratio_median": sorted(r["ratio"] for r in runs)[len(runs) // 2]}
+    print(f"CPU: {result['cpu']}")
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
