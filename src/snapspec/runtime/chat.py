@@ -222,15 +222,17 @@ class ChatSession:
     """A multi-turn conversation with one model (and a drafter). `reply(text)` yields the answer's text pieces."""
 
     def __init__(self, target: Model, drafter: Model | Drafter | str | None = None, *, system: str | None = None,
-                 raw: bool = False, context: int | None = None, template_kwargs: dict | None = None, **generation):
+                 raw: bool = False, context: int | None = None, template_kwargs: dict | None = None,
+                 prefix_cache: PrefixCache | None = None, **generation):
         """drafter: anything pair.make_drafter takes (a Model, "ngram", "mtp", an NgramDrafter of other sizes);
-        context: tokens the conversation may reach (default: the exports' max_context); generation: Generator
-        arguments for every turn (max_new_tokens, sampling, draft_max, stop_strings, stop_at_eos, rollback, ...)."""
+        context: tokens the conversation may reach (default: the exports' max_context); prefix_cache: a PrefixCache
+        shared with other sessions of the same model (prefix_cache.py); generation: Generator arguments for every
+        turn (max_new_tokens, sampling, draft_max, stop_strings, stop_at_eos, rollback, ...)."""
         self.target, self.raw = target, raw
         self.template_kwargs = dict(template_kwargs or {})
         self.generation = generation
         self.cache = PromptCache(target, drafter, context, generation.get("window"),
-                                 generation.get("rollback") or "auto", plain=raw)
+                                 generation.get("rollback") or "auto", plain=raw, prefix_cache=prefix_cache)
         self.door, self.drafter = self.cache.door, self.cache.drafter
         self.door.require_chat()  # a base model: the one-line error naming the alternatives
         self.system = system
