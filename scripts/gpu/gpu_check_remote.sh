@@ -3,6 +3,11 @@
 #   scripts/gpu/gpu_check_remote.sh stash C1          keep C1's onnxruntime-gpu part in /tmp/gc; say what is there
 #   scripts/gpu/gpu_check_remote.sh run C2 OUT        install, prove a CUDA session, run scripts/gpu/gpu_check.sh of
 #                                                     C2's src.tar (the committed checkout) into OUT
+#   scripts/gpu/gpu_check_remote.sh batch C2 OUT      install as run does, then continuous batching on the H200
+#                                                     (benchmarks/batching.py, 16 sequences against one at a time)
+#                                                     at pair-a's shape and the Qwen3.5-4B shape, random weights,
+#                                                     fp16; C2 also holds pair-a/ (its config and tokenizer files)
+#                                                     and prompts.jsonl
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -20,7 +25,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run)
+run|batch)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -49,7 +54,27 @@ PY
   { echo "snapspec (src.tar): $(cat $c2/src.commit)"; nvidia-smi -L
     python3 -c "import torch, transformers, onnx; print('torch', torch.__version__, 'transformers', transformers.__version__, 'onnx', onnx.__version__)"
   } 2>&1 | tee $out/env.txt
-  bash $G/src/scripts/gpu/gpu_check.sh "" $out
+  if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
+  cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
+  python3 - <<'PY' 2>&1 | tail -3
+import shutil, torch, os
+from transformers import AutoConfig, AutoModelForCausalLM
+src, dst = os.environ["PAIR_A_TOKENIZER"], "/tmp/gc/pa-shape"
+cfg = AutoConfig.from_pretrained(src)
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16).save_pretrained(dst)
+for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    shutil.copy(f"{src}/{f}", dst)
+print("pair-a shape written")
+PY
+  for shape in pa 4b; do
+    ck=/tmp/gc/pa-shape; new=128
+    if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
+      python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
+    python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
+    python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 --new $new \
+      --prompts $c2/prompts.jsonl --json $out/batch-h200-$shape.json 2>&1 | tee $out/batch-h200-$shape.txt
+  done
   ;;
 cpu)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out; src=${4:-$G/src/src}
