@@ -207,9 +207,16 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens not prefilled (held by the slot's context or loaded from
+    the prefix cache), in `prompt_tokens_details` as OpenAI reports its own prompt caching."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def job_usage(job) -> dict:
+    return usage(len(job.ids), len(job.gen.tokens), job.gen.stats.prompt_reused)
 
 
 def snapspec_field(job) -> dict:
@@ -219,6 +226,7 @@ def snapspec_field(job) -> dict:
     s = gen.stats
     out = {"acceptance": s.acceptance, "drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds,
            "rollbacks": dict(s.rollbacks), "prompt_prefilled": s.prompt_prefilled, "prompt_reused": s.prompt_reused,
+           "prompt_cached": s.prompt_cached,
            "decode_tokens_per_s": s.decode_tokens_per_s,
            "stop_reason": gen.stop_reason}
     if s.lookups:  # n-gram drafting: steps whose lookup found a draft (the others were plain steps)
@@ -239,7 +247,7 @@ def completion(job, text: str) -> dict:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     return {"id": job.id, "object": "chat.completion" if job.settings.kind == "chat" else "text_completion",
             "created": job.created, "model": job.model, "choices": [choice],
-            "usage": usage(len(job.ids), len(gen.tokens)), "snapspec": snapspec_field(job)}
+            "usage": job_usage(job), "snapspec": snapspec_field(job)}
 
 
 def chunk(job, text: str | None = None, *, first: bool = False, finish: str | None = None,
@@ -262,7 +270,7 @@ def chunk(job, text: str | None = None, *, first: bool = False, finish: str | No
 def usage_chunk(job) -> dict:
     chat = job.settings.kind == "chat"
     return {"id": job.id, "object": "chat.completion.chunk" if chat else "text_completion", "created": job.created,
-            "model": job.model, "choices": [], "usage": usage(len(job.ids), len(job.gen.tokens)),
+            "model": job.model, "choices": [], "usage": job_usage(job),
             "snapspec": snapspec_field(job)}
 
 

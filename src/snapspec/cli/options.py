@@ -67,6 +67,27 @@ def at_least_two(value: str) -> int:
     return _integer(value, 2, "an integer >= 2")
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "kib": 1 << 10,
+               "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9,
+               "tb": 10 ** 12}
+
+
+def byte_size(value: str) -> int:
+    """A size in bytes (serve's --cache-ram): a count of bytes, or a number with a unit: KiB/MiB/GiB/TiB (and K, M, G,
+    T alone) in powers of 1024, KB/MB/GB/TB in powers of 1000; case and spaces do not matter. 0 is a size."""
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    scale = _SIZE_UNITS.get(text[len(number):])
+    try:
+        size = float(number)
+    except ValueError:
+        size = -1.0
+    if scale is None or not size >= 0 or size == float("inf"):  # `not >=`: NaN too
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size: give bytes or a number with a unit (512MiB, "
+                                         "2GiB, 1.5GB; 0 turns it off)")
+    return int(size * scale)
+
+
 def draft_max(value: str):
     """--draft-max: a draft length (an integer) or auto."""
     if value == "auto":

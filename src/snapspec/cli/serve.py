@@ -29,9 +29,14 @@ from snapspec.serve import lifecycle
 
 from . import openai_api as api
 from . import openai_tools
-from .options import add_drafter_flags, add_generation_flags, at_least_one, drafter_label, generation_kwargs
+from .options import (add_drafter_flags, add_generation_flags, at_least_one, byte_size, drafter_label,
+                      generation_kwargs)
 
 SCHEDULING = "one request at a time per model, first come first served, from a queue"
+# The prefix cache's default budget (docs/serve.md, "The prefix cache"): a 4,000-token prefix with its snapshots is
+# ~20 MB on pair-a, ~190 MB at the Qwen3.5-0.8B shape and ~500 MB at the 4B shape in fp32, so 2 GiB keeps a few
+# agents' conversations at the larger shapes while staying a small part of a machine that runs them.
+CACHE_RAM = "2GiB"
 _DONE = object()
 
 
@@ -46,6 +51,9 @@ def add_parser(sub, runtime_flags):
                    help="chat requests join their messages' text instead of rendering the chat template")
     # the defaults for requests that leave a setting out
     add_generation_flags(p, context_default="the export's max_context")
+    p.add_argument("--cache-ram", type=byte_size, default=byte_size(CACHE_RAM), metavar="SIZE",
+                   help="host memory for the prefix cache: snapshots of prompt prefixes that later requests resume "
+                        f"from, least recently used evicted (512MiB, 2GiB, 1.5GB; 0 turns it off; default {CACHE_RAM})")
     lifecycle.add_flags(p, at_least_one)  # --api-key, --max-queue, --max-tokens-cap, --max-body-bytes, --drain-timeout
     runtime_flags(p)
 
@@ -74,10 +82,13 @@ class Worker(lifecycle.Admission):
     (submit, the queue's limit, stopping at shutdown) is lifecycle.Admission's."""
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
-                 max_tokens_cap: int | None = None, max_queue: int | None = None):
+                 max_tokens_cap: int | None = None, max_queue: int | None = None, cache_ram: int = 0):
         from snapspec.runtime.chat import PromptCache
+        from snapspec.runtime.prefix_cache import PrefixCache
 
-        self.cache = PromptCache(target, drafter, context, rollback=defaults.get("rollback") or "auto", plain=raw)
+        self.prefix = PrefixCache(cache_ram) if cache_ram else None  # shared by every PromptCache of this model
+        self.cache = PromptCache(target, drafter, context, rollback=defaults.get("rollback") or "auto", plain=raw,
+                                 prefix_cache=self.prefix)
         drafter = self.cache.drafter  # one draft source serves every request, in queue order
         self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
         self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
@@ -162,7 +173,8 @@ class Worker(lifecycle.Admission):
                     break
             job.text = final_text(gen)
             self._count("cancelled" if job.cancelled else "served")  # a shutdown's stop counts as cancelled
-            _log(f"{job.id} {job.settings.kind}: {len(job.ids)} prompt tokens ({gen.stats.prompt_reused} reused), "
+            _log(f"{job.id} {job.settings.kind}: {len(job.ids)} prompt tokens ({gen.stats.prompt_reused} reused"
+                 + (f", {gen.stats.prompt_cached} from the prefix cache" if gen.stats.prompt_cached else "") + "), "
                  f"{len(gen.tokens)} tokens, stop "
                  f"{gen.stop_reason}{self._why_stopped(job)}, "
                  f"{time.perf_counter() - start:.2f} s" + (f", acceptance {gen.stats.acceptance:.2f}"
@@ -201,6 +213,11 @@ class Worker(lifecycle.Admission):
                 "drafter": drafter_label(self.drafter) if self.drafter else None, "queue": counts}
 
 
+def _size(n: int) -> str:
+    return next(f"{n / (1 << k):.3g} {unit}" for k, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"),
+                                                            (0, "B")) if n >= 1 << k or k == 0)
+
+
 def _log(message: str) -> None:
     print(f"snapspec serve: {message}", file=sys.stderr, flush=True)
 
@@ -217,7 +234,8 @@ def build_app(worker: Worker, *, api_key: str | None = None, max_body: int = 4 <
     from snapspec.serve import metrics as metrics_module, openapi
     from snapspec.serve.access import Access
 
-    metrics = worker.metrics = metrics_module.Metrics(worker.model_id, worker.health_counts, lambda: worker.closing)
+    metrics = worker.metrics = metrics_module.Metrics(worker.model_id, worker.health_counts, lambda: worker.closing,
+                                                      cache=worker.prefix)
     schema = openapi.document(model_id=worker.model_id, context_length=worker.context_length, keyed=bool(api_key),
                               max_tokens_cap=worker.max_tokens_cap, version=__version__)
 
@@ -349,13 +367,14 @@ def run(args) -> int:
     defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
                     raw=args.no_chat_template, defaults=defaults, max_tokens_cap=args.max_tokens_cap,
-                    max_queue=args.max_queue)
+                    max_queue=args.max_queue, cache_ram=args.cache_ram)
     key = lifecycle.api_key(args)
     sock = lifecycle.listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
     _log(f"serving {worker.model_id} on http://{url_host}:{port}/v1 (context {worker.context_length}"
          + (f", drafter {drafter_label(drafter)}" if drafter else "")
+         + (f", prefix cache {_size(args.cache_ram)}" if worker.prefix is not None else ", no prefix cache")
          + f"); {SCHEDULING}; Ctrl-C or SIGTERM drains, a second one stops")
     if key is None and not lifecycle.loopback(host):
         lifecycle.warn(f"listening on {host}, beyond this machine, without an API key: anyone who reaches it can use "

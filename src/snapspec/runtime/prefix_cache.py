@@ -107,9 +107,6 @@ class PrefixCache:
         with self._lock:
             return CacheStats(**vars(self._stats))
 
-    def __len__(self) -> int:
-        return len(self._order)
-
     def clear(self) -> None:
         with self._lock:
             for node in list(self._order.values()):

@@ -3,7 +3,8 @@
 Requests are counted by endpoint and status where they are answered (access.py); generations, tokens, speculation
 (drafted and accepted tokens, rounds, rollbacks by mode) and the seconds of each phase (prefill, decode, and inside
 them draft, verify, rollback, sampling: src/snapspec/runtime/stats.py) when a job leaves the queue (record). The
-queue's depth is read from the worker when the page is scraped. Labels take bounded values: an endpoint outside the
+queue's depth and the prefix cache's counters (hits, tokens reused, evictions, bytes: CacheCollector) are read when
+the page is scraped. Labels take bounded values: an endpoint outside the
 API is counted as "other", so a client cannot grow the page by inventing paths.
 """
 
@@ -22,9 +23,9 @@ def endpoint_label(path: str) -> str:
 
 class Metrics:
     """The server's Prometheus metrics. `queue` returns the worker's counts (waiting, running) when scraped;
-    `draining` whether the server is shutting down."""
+    `draining` whether the server is shutting down; `cache` the server's PrefixCache (None: no prefix cache)."""
 
-    def __init__(self, model_id: str, queue, draining):
+    def __init__(self, model_id: str, queue, draining, cache=None):
         from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                        disable_created_metrics)
 
@@ -63,6 +64,8 @@ class Metrics:
         ratio.labels(model_id).set_function(self._acceptance)
         Gauge("snapspec_draining", "1 while the server shuts down (new requests get 503)",
               registry=r).set_function(lambda: 1.0 if draining() else 0.0)
+        if cache is not None:
+            r.register(CacheCollector(model_id, cache))
         self.model = model_id
         self._spec = (0, 0)  # drafted, accepted: the ratio's terms (replaced whole, read from any thread)
         for counter in (self.prompt_tokens, self.prompt_reused, self.completion_tokens, self.drafted, self.accepted,
@@ -104,3 +107,32 @@ class Metrics:
     def page(self) -> bytes:
         from prometheus_client import generate_latest
         return generate_latest(self.registry)
+
+
+class CacheCollector:
+    """The prefix cache's counters (runtime/prefix_cache.py), read from the cache when the page is scraped: its
+    counters are the cache's own, shared by every slot."""
+
+    def __init__(self, model_id: str, cache):
+        self.model, self.cache = model_id, cache
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.cache.stats
+        for name, doc, value in (
+                ("hits", "Requests that loaded a prompt prefix from the prefix cache", s.hits),
+                ("misses", "Requests that found no cached prefix longer than their slot's context held", s.misses),
+                ("tokens_reused", "Prompt tokens loaded from the prefix cache instead of prefilled", s.tokens_reused),
+                ("saves", "Snapshots saved", s.saves),
+                ("evictions", "Snapshots evicted (least recently used first) to stay within --cache-ram",
+                 s.evictions)):
+            family = CounterMetricFamily(f"snapspec_prefix_cache_{name}", doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
+        for name, doc, value in (("bytes", "Bytes of snapshots held (state and token ids)", s.nbytes),
+                                 ("budget_bytes", "The prefix cache's budget (--cache-ram)", s.budget),
+                                 ("entries", "Snapshots held", s.entries)):
+            family = GaugeMetricFamily(f"snapspec_prefix_cache_{name}", doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family

@@ -42,8 +42,10 @@ _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 _USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-          "properties": {k: {"type": "integer", "minimum": 0}
-                         for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+          "properties": {**{k: {"type": "integer", "minimum": 0}
+                            for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+                         "prompt_tokens_details": {"type": "object", "properties": {
+                             "cached_tokens": {"type": "integer", "minimum": 0}}}}}
 _FINISH = {"enum": ["stop", "length", "tool_calls", None]}
 _STATUS = {400: "a request the server refuses, named in the message", 401: "a missing or wrong API key",
            404: "an unknown model", 408: "a request body that did not arrive in time",
