@@ -218,13 +218,22 @@ def test_no_snapshot_after_a_draft(headed, monkeypatch):
         seq = seq + gen.tokens + ids_of(10 + turn, 5)
     monkeypatch.undo()
     from snapspec.runtime import Policy
+    from snapspec.runtime.drafters.mtp import MtpDrafter
     policy = Policy(t)
     for pos, tokens in cache.entries():
         hit = cache.lookup(list(tokens) + [0])
         loaded, fresh = (policy.open(t, 128, "target", poison=True) for _ in range(2))
         loaded.load_state(hit.parts["target"], list(tokens))
-        fresh.prefill(list(tokens), logits=False)
+        fresh.hidden = True
+        head = MtpDrafter(t)
+        head.size(128)
+        head.follow(list(tokens), fresh.prefill(list(tokens), logits=False).hidden, Stats())
         assert_same_state(loaded.state_snapshot(), fresh.state_snapshot(), f"snapshot at {pos}")
+        rows = {name: np.concatenate([p.rows[name] for p in hit.parts["head"]], axis=-2)
+                for name in head.head.kv.values}
+        assert_same_state(rows, {name: v.numpy()[..., :pos - 1, :] for name, v in head.head.kv.values.items()},
+                          f"head at {pos}")
+        assert np.array_equal(hit.parts["head"][-1].state["hidden"], head._hidden[pos - 1])
 
 
 def test_two_conversations_interleaved_through_one_slot(chat_export):

@@ -177,7 +177,7 @@ class PromptCache:
             loaded = self.snapshots.load(ids, kept)
             stats.prompt_cached = loaded - kept if loaded > kept else 0
             kept = max(kept, loaded)
-        start = max(c.n_past for c in self.pair.contexts)
+        start = min(c.n_past for c in self.pair.contexts)
         points = [base] if self.prefix is None else self.snapshots.points(start, base, boundaries)
         hidden = []
         for point in points:
@@ -189,8 +189,8 @@ class PromptCache:
                         hidden += [] if rows.hidden is None else [rows.hidden]
                     else:
                         stats.drafter_forwards += rows.forwards
-            if self.prefix is not None:
-                self.snapshots.save(ids, point, hidden, stats)
+            if self.prefix is not None and all(c.n_past == point for c in self.pair.contexts):
+                self.snapshots.save(ids, point, hidden, stats)  # (a side that held more is past it: no snapshot)
         for mark in self.marks:
             if mark.ctx.n_past == base:
                 mark.save()
