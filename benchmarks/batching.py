@@ -111,13 +111,21 @@ def main(argv=None) -> int:
         seq_out, seq_wall, seq_ttft = sequential()
         tog_out, tog_wall, tog_ttft, counters = together()
         equal = [x == y for x, y in zip(seq_out, tog_out)]
+        first_difference = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+                            for x, y in zip(seq_out, tog_out)]
         tokens = sum(map(len, seq_out))
+        # decode alone: the tokens after each prompt's first over the time after its first token
+        seq_decode = (tokens - len(prompts)) / (seq_wall - sum(seq_ttft))
+        tog_decode = (tokens - len(prompts)) / (tog_wall - max(tog_ttft))
         runs.append({"rep": rep, "tokens": tokens, "sequential_s": seq_wall, "together_s": tog_wall,
                      "sequential_tps": tokens / seq_wall, "together_tps": tokens / tog_wall,
                      "ratio": seq_wall / tog_wall, "equal": equal, "sequential_ttft": seq_ttft,
-                     "together_ttft": tog_ttft, "counters": counters})
+                     "together_ttft": tog_ttft, "counters": counters, "first_difference": first_difference,
+                     "sequential_decode_tps": seq_decode, "together_decode_tps": tog_decode})
         print(f"rep {rep}: {tokens} tokens; one at a time {tokens / seq_wall:.1f} t/s, {a.parallel} together "
-              f"{tokens / tog_wall:.1f} t/s: {seq_wall / tog_wall:.2f}x; texts equal {sum(equal)}/{len(equal)}; "
+              f"{tokens / tog_wall:.1f} t/s: {seq_wall / tog_wall:.2f}x (after the first token: {seq_decode:.1f} vs "
+              f"{tog_decode:.1f} t/s, {tog_decode / seq_decode:.2f}x); texts equal {sum(equal)}/{len(equal)} "
+              f"(first differences at {[d for d in first_difference if d is not None]}); "
               f"{counters}", flush=True)
         if not all(equal) and a.ep == "cpu":
             print("FAIL: a prompt's tokens together differ from alone", file=sys.stderr)

@@ -115,21 +115,28 @@ def load_head(model, *, threads: int | None = None, share: bool | None = None, c
 
 def shared_values(m: manifest.Manifest, ep: str = "cpu", *, copy: bool | None = None) -> dict[str, ort.OrtValue]:
     """{name: OrtValue} of the external initializers the head shares with the target (the manifest's mtp.shared),
-    made once, to hand to both sessions (SessionOptions.add_initializer): on the CPU, views of one read-only memory
-    map of the data file; under CUDA, one device copy each (device 0; `copy`, the default there, also on the CPU for
-    tests). The caller keeps them alive as long as the sessions (runtime.model.Model.shared_values holds them). Empty
-    for a folder without a head."""
+    made once, to hand to both sessions (SessionOptions.add_initializer): see external_values. The caller keeps them
+    alive as long as the sessions (runtime.model.Model.shared_values holds them). Empty for a folder without a
+    head."""
+    if not has_head(m):
+        return {}
+    return external_values(m, "mtp", set(m.data["mtp"].get("shared", [])), ep, copy=copy)
+
+
+def external_values(m: manifest.Manifest, graph: str, names: set[str] | None = None, ep: str = "cpu", *,
+                    copy: bool | None = None) -> dict[str, ort.OrtValue]:
+    """{name: OrtValue} of a graph's external initializers (those in `names`, default all), to hand to several
+    sessions (SessionOptions.add_initializer) that then hold one copy between them: on the CPU, views of one
+    read-only memory map of the data file; under CUDA, one device copy each (device 0; `copy`, the default there,
+    also on the CPU for tests). Used for the head's shared tensors and the scheduler's graphs for B sequences."""
     import onnx
     from onnx.helper import tensor_dtype_to_np_dtype
 
-    if not has_head(m):
-        return {}
-    names = set(m.data["mtp"].get("shared", []))
-    graph = onnx.load(str(m.graph_path("mtp")), load_external_data=False).graph
+    source = onnx.load(str(m.graph_path(graph)), load_external_data=False).graph
     maps: dict[str, np.memmap] = {}
     values = {}
-    for t in graph.initializer:
-        if t.name not in names or t.data_location != onnx.TensorProto.EXTERNAL:
+    for t in source.initializer:
+        if (names is not None and t.name not in names) or t.data_location != onnx.TensorProto.EXTERNAL:
             continue
         ext = {e.key: e.value for e in t.external_data}
         path = str(m.folder / ext["location"])

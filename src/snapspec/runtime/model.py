@@ -163,10 +163,13 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     return model
 
 
-def open_like(model: Model, graph: bytes, path: Path) -> ort.InferenceSession:
-    """A session on another form of a model's graph (its bytes, whose weights lie beside `path`), on the model's
-    provider with the forward session's options: the scheduler's graph for several sequences (scheduler.py)."""
+def open_like(model: Model, graph: bytes, path: Path, weights: dict | None = None) -> ort.InferenceSession:
+    """A session on another form of a model's graph (its bytes, whose weights lie beside `path`, or are given as
+    {name: OrtValue} in `weights`, shared), on the model's provider with the forward session's options: the
+    scheduler's graph for several sequences (scheduler.py)."""
     opts = _options(model.threads, model.spin)
+    for name, value in (weights or {}).items():
+        opts.add_initializer(name, value)
     opts.add_session_config_entry(exactness.EXTERNAL_FOLDER, str(Path(path).parent))
     _, providers = configure(model.ep, opts, False)
     return _session(graph, opts, providers, name=Path(path))

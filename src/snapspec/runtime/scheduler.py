@@ -68,6 +68,7 @@ class Scheduler:
         self.patience = float(patience)
         self.counters = Counters()
         self._runners: dict[int, BatchedRunner] = {}
+        self._weights: dict | None = None  # the graph's weights, one copy for every batched session (made once)
         self._lock = threading.Lock()  # makes the runners
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
@@ -198,7 +199,10 @@ class Scheduler:
         with self._lock:
             if n not in self._runners:
                 started = time.monotonic()
-                self._runners[n] = BatchedRunner(self.model, n, batched_session(self.model, n))
+                if self._weights is None:
+                    from .head import external_values
+                    self._weights = external_values(self.model.manifest, "forward", ep=self.model.ep)
+                self._runners[n] = BatchedRunner(self.model, n, batched_session(self.model, n, self._weights))
                 log.info("graph for %d sequences ready in %.1f s", n, time.monotonic() - started)
             return self._runners[n]
 
@@ -225,12 +229,14 @@ def batchable(model) -> str | None:
     return None
 
 
-def batched_session(model, n: int):
+def batched_session(model, n: int, weights: dict | None = None):
     """A session on the model's forward graph rewritten for n sequences (batched_graph.batched), on the model's
     provider and options. An int4 graph on CPU that load() runs with paired rows (runtime/exactness.py) runs here
     as exported where calls of several rows already give each row the paired one-row call's bits
     (exactness.several_rows_bitwise): n >= 2 sequences never make a one-row call, and pairing would double the
-    rows of every step."""
+    rows of every step. weights: {name: OrtValue} of its initializers that every such session shares
+    (head.external_values): sessions for 2..N sequences then hold the weights once (pre-packed CPU kernels still
+    pack their own copy)."""
     import onnx
 
     from . import exactness
@@ -251,4 +257,4 @@ def batched_session(model, n: int):
         graph = onnx.load(source, load_external_data=False)
     packed = m.rollback_data
     graph = batched(graph, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
-    return open_like(model, graph.SerializeToString(), path)
+    return open_like(model, graph.SerializeToString(), path, weights)
