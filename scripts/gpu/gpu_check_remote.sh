@@ -68,7 +68,7 @@ for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
 print("pair-a shape written")
 PY
   for shape in pa 4b; do
-    ck=/tmp/gc/pa-shape; new=128
+    ck=/tmp/gc/pa-shape; new=256
     if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
