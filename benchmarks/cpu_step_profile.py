@@ -103,8 +103,12 @@ def floor_session(graph_path: Path, threads: int, spin: bool) -> tuple[ort.Infer
     inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, 1, k]) for k in sorted(ks)]
     g = helper.make_graph(nodes, "floor", inputs, outputs, list(used.values()))
     floor = helper.make_model(g, opset_imports=list(model.opset_import))
-    if exactness.needs_fallback(model, threads):  # as the target's session runs it (runtime/exactness.load_graph)
-        exactness.at_level(floor, exactness.FALLBACK_LEVEL)
+    bad = exactness.needs_fallback(model, threads)
+    if bad:  # as the target's session runs it (runtime/exactness.load_graph): rows paired where that is bitwise
+        if all(exactness.strategy(v.block_size, v.level, threads) == "paired" for v in bad):
+            exactness.pair_rows(floor)
+        else:
+            exactness.at_level(floor, exactness.FALLBACK_LEVEL)
     path = Path(tempfile.mkdtemp()) / "floor.onnx"
     onnx.save(floor, str(path), save_as_external_data=True, location="floor.onnx.data")
     s = ort.InferenceSession(str(path), snap_model._options(threads, spin), providers=["CPUExecutionProvider"])

@@ -8,6 +8,9 @@ Given a DataFile, an initializer is written to it when it is made (`const`) and 
 (export/external.py), so building a graph holds one tensor block at a time, whatever the model's size. Without one
 (tests that build a graph in memory) initializers are kept in the protos. Initializers under 1 KiB stay inline
 either way. An initializer is a name: any number of nodes may read it (a tied embedding and output projection).
+
+In a float32 int4 graph (the CPU path), int4 linears that read the same input are merged into one MatMulNBits when
+the outermost scope closes (export/merge.py); their weights are written then.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .external import DataFile, external_tensor
-from .lazy import Lazy
+from . import merge
+from .lazy import Lazy, concat
 from .quant import quantize_int4
 
 MS = "com.microsoft"
@@ -86,15 +90,31 @@ class Graph:
         self._scope: list[str] = []
         self._used: set[str] = set()
         self._shared: dict[str, tuple[str, ...]] = {}  # linear(share=key): the initializers a weight was stored as
+        # Sibling int4 linears merged (export/merge.py) on the CPU path; float16 exports run on GPU providers, where
+        # a merged N was not checked against the separate ones.
+        self.merges = dtype == "float32"
+        self._pending: list[merge.Pending] = []
 
     # -- naming -------------------------------------------------------------------------------------------------
     @contextmanager
     def scope(self, name: str):
+        """Names made inside are under `name`; closing the outermost scope writes the pending int4 linears."""
         self._scope.append(name)
         try:
             yield
         finally:
             self._scope.pop()
+        if not self._scope:
+            self.flush_linears()
+
+    @contextmanager
+    def _at(self, scope: tuple[str, ...]):
+        """The scope stack set to `scope` for a while (where a deferred linear was made)."""
+        saved, self._scope = self._scope, list(scope)
+        try:
+            yield
+        finally:
+            self._scope = saved
 
     def _unique(self, base: str) -> str:
         name, i = base, 1
@@ -131,12 +151,18 @@ class Graph:
     # -- nodes ----------------------------------------------------------------------------------------------------
     def op(self, op_type: str, inputs: list[str], leaf: str | None = None, n_out: int = 1,
            domain: str | None = None, outputs: list[str] | None = None, **attrs):
+        self.nodes.append(self._node(op_type, inputs, leaf, n_out, domain, outputs, **attrs))
+        outs = self.nodes[-1].output
+        return outs[0] if len(outs) == 1 else list(outs)
+
+    def _node(self, op_type: str, inputs: list[str], leaf: str | None = None, n_out: int = 1,
+              domain: str | None = None, outputs: list[str] | None = None, **attrs) -> onnx.NodeProto:
+        """A node named after the scope, not yet in the graph."""
         node_name = self._unique(self._path(leaf or op_type))
         outs = outputs or [f"{node_name}/output_{i}" for i in range(n_out)]
         for o in outs:
             self._used.add(o)
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=node_name, domain=domain, **attrs))
-        return outs[0] if len(outs) == 1 else outs
+        return helper.make_node(op_type, inputs, outs, name=node_name, domain=domain, **attrs)
 
     def const(self, leaf: str, value, keep_dtype: bool = False) -> str:
         """An initializer from a NumPy array or a Lazy tensor (written block by block); float values take the
@@ -168,16 +194,17 @@ class Graph:
                share: str | None = None) -> str:
         """x @ weight.T (+ bias); weight is (out_features, in_features). share: a key for the weight's initializers;
         a later linear given the same key reads those instead of storing the weight again (a block several layers
-        run, as Zamba2's shared attention blocks)."""
+        run, as Zamba2's shared attention blocks). An int4 weight that is not shared is written when the outermost
+        scope closes, merged with its siblings where it has any (flush_linears)."""
         n, k = weight.shape
         names = self._shared.get(share) if share else None
         with self.scope(leaf):
-            if self.quantizes(k):
-                if names is None:
-                    packed, scales, zeros = quantize_int4(weight, self.block_size)
-                    names = (self.const("weight_q4", packed), self.const("scales", scales),
-                             self.const("zero_points", zeros))
-                y = self.matmul_nbits(x, *names, n, k)
+            if self.quantizes(k) and self.merges and share is None:
+                y = self.matmul_nbits(x, "", "", "", n, k)
+                self._pending.append(merge.Pending(self.nodes[-1], weight, tuple(self._scope)))
+            elif self.quantizes(k):
+                y = self.matmul_nbits(x, *(names or self._int4_weights(weight)), n, k)
+                names = names or tuple(self.nodes[-1].input[1:])
             else:
                 names = names or (self.const("weight", weight.T),)
                 y = self.op("MatMul", [x, names[0]], "MatMul")
@@ -186,6 +213,33 @@ class Graph:
             if bias is not None:
                 y = self.op("Add", [y, self.const("bias", bias)], "Add")
         return y
+
+    def _int4_weights(self, weight) -> tuple[str, str, str]:
+        """A weight (N, K) quantized and stored as MatMulNBits' initializers under the current scope."""
+        packed, scales, zeros = quantize_int4(weight, self.block_size)
+        return self.const("weight_q4", packed), self.const("scales", scales), self.const("zero_points", zeros)
+
+    def flush_linears(self) -> None:
+        """Write the pending int4 linears' weights: each group of siblings (merge.groups) as one MatMulNBits at its
+        first member's place, then a Split along the last axis into the members' outputs; a linear alone as made."""
+        pending, self._pending = self._pending, []
+        merged: dict[int, list[onnx.NodeProto]] = {}  # id(first member) -> its replacement; id(other) -> []
+        for group in merge.groups(pending):
+            if len(group) == 1:
+                with self._at(group[0].scope):
+                    group[0].node.input[1:] = self._int4_weights(group[0].weight)
+                continue
+            sizes = [p.n for p in group]
+            attrs = {a.name: helper.get_attribute_value(a) for a in group[0].node.attribute}
+            with self._at(merge.merged_scope(group)):
+                names = self._int4_weights(concat([p.weight for p in group]))
+                mm = self._node("MatMulNBits", [group[0].node.input[0], *names], domain=MS, **dict(attrs, N=sum(sizes)))
+                split = self._node("Split", [mm.output[0], self.ints("Split/sizes", sizes)],
+                                   outputs=[p.node.output[0] for p in group], axis=-1)
+            merged.update({id(p.node): [] for p in group})
+            merged[id(next(p for p in pending if p in group).node)] = [mm, split]  # the earliest in the graph
+        if merged:
+            self.nodes[:] = [new for node in self.nodes for new in merged.get(id(node), [node])]
 
     def quantizes(self, in_features: int) -> bool:
         """Whether int4 quantization applies to a weight with this many input features (whole blocks only)."""
@@ -250,6 +304,7 @@ class Graph:
         return outputs
 
     def to_model(self) -> onnx.ModelProto:
+        self.flush_linears()
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
                                   producer_name="snapspec")
