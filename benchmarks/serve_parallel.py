@@ -19,12 +19,13 @@ Scenarios:
   tokens/s = completion tokens / wall time of the phase; time to first token and latency p50/p95 per request. Each
   request's concurrent text is compared with its sequential text: the run fails (exit 1) if any differ. A warm-up
   sends each distinct prompt once (max_tokens 1) first, so that every phase meets the same prefix cache.
-- agent: one conversation of --turns chat requests over a deterministic ~--system-tokens tool manual; after each
-  reply the conversation gets the assistant's message (with a read_file tool call) and the tool's result (a file
-  from --prompts, ~--tool-tokens). Per turn: time to first token, prompt tokens, and the server's
-  usage.prompt_tokens_details.cached_tokens where it reports it (then prefilled = prompt - cached). --busy K runs K
-  other clients looping on completion requests beside it. Sizes in tokens are set from one calibration request
-  (characters per token of the manual), so they hold for any tokenizer within a few percent.
+- agent: --agents A conversations at once (default 1), each of --turns chat requests over the same deterministic
+  ~--system-tokens tool manual; after each reply a conversation gets the assistant's message (with a read_file tool
+  call) and the tool's result (a file from --prompts, ~--tool-tokens). Per turn: time to first token, prompt
+  tokens, and the server's usage.prompt_tokens_details.cached_tokens where it reports it (then prefilled = prompt -
+  cached); with A > 1 the turn's median and worst time to first token over the agents, and their tokens/s
+  together. --busy K runs K other clients looping on completion requests beside them. Sizes in tokens come from one
+  calibration request (characters per token of the manual), so they hold for any tokenizer within a few percent.
 - load: --clients C x --requests R mixed chat requests, in turn: streamed, plain, tools (tool_choice required, one
   function), json_schema (response_format), cancelled (the stream closed after --cancel-after chunks). Every request
   must end: a well-formed answer (a finish_reason; tool arguments and json_schema content that parse when it is
@@ -397,6 +398,40 @@ def busy_clients(client, model: str, a, prompts: list[dict], stop: threading.Eve
     return threads, done
 
 
+TASKS = ("Find where the package's exceptions are defined and summarise them.",
+         "Find the function that parses the input and explain how it reports errors.",
+         "List the classes of the module and what each one is for.",
+         "Find the code that waits for data and say what can make it time out.")
+
+
+def agent_loop(client, model: str, a, k: int, system: str, files: list[dict], per_token: float) -> list[dict]:
+    """Agent k's conversation: --turns chat requests, each followed by the reply and a read_file result."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": TASKS[k % len(TASKS)]}]
+    turns, previous = [], 0
+    for t in range(a.turns):
+        r = request(client, "chat", messages=messages, model=model, max_tokens=a.max_tokens, temperature=0,
+                    **a.extra_body)
+        prefilled = None if r.cached_tokens is None or r.prompt_tokens is None else r.prompt_tokens - r.cached_tokens
+        turns.append({"turn": t + 1, "ok": r.ok, "error": r.error, "ttft_s": r.ttft, "latency_s": r.latency,
+                      "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "prefilled": prefilled,
+                      "new_tokens": None if r.prompt_tokens is None else r.prompt_tokens - previous,
+                      "completion_tokens": r.completion_tokens, "reply": r.text})
+        if not r.ok:
+            break
+        previous = r.prompt_tokens or 0
+        file = files[(k * a.turns + t) % len(files)]
+        result = file["prompt"][:int(a.tool_tokens * per_token)]
+        call = {"id": f"call_{k}_{t}", "type": "function",
+                "function": {"name": "read_file", "arguments": json.dumps({"path": file["source"]})}}
+        if a.tool_role == "tool":
+            messages += [{"role": "assistant", "content": r.text, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": result}]
+        else:
+            messages += [{"role": "assistant", "content": r.text},
+                         {"role": "user", "content": f"read_file {file['source']}:\n{result}"}]
+    return turns
+
+
 def agent(a, client, model: str, server: Server) -> dict:
     prompts = load_prompts(a.prompts)
     # calibration: characters per token of this kind of text, from one prompt that shares no prefix with the run
@@ -407,44 +442,28 @@ def agent(a, client, model: str, server: Server) -> dict:
         raise SystemExit(f"calibration request failed: {cal.error or 'no usage.prompt_tokens'}")
     per_token = len(sample) / cal.prompt_tokens
     system = tool_manual(int(a.system_tokens * per_token))
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": "Find where the package's exceptions are defined and summarise them."}]
     stop = threading.Event()
     threads, busy = busy_clients(client, model, a, prompts, stop) if a.busy else ([], [])
-    turns, previous = [], 0
     try:
-        for t in range(a.turns):
-            r = request(client, "chat", messages=messages, model=model, max_tokens=a.max_tokens, temperature=0,
-                        **a.extra_body)
-            turns.append({"turn": t + 1, "ok": r.ok, "error": r.error, "ttft_s": r.ttft, "latency_s": r.latency,
-                          "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                          "new_tokens": None if r.prompt_tokens is None else r.prompt_tokens - previous,
-                          "prefilled": None if r.cached_tokens is None or r.prompt_tokens is None
-                          else r.prompt_tokens - r.cached_tokens,
-                          "completion_tokens": r.completion_tokens, "reply": r.text})
-            if not r.ok:
-                break
-            previous = r.prompt_tokens or 0
-            file = prompts[t % len(prompts)]
-            result = file["prompt"][:int(a.tool_tokens * per_token)]
-            call = {"id": f"call_{t}", "type": "function",
-                    "function": {"name": "read_file", "arguments": json.dumps({"path": file["source"]})}}
-            if a.tool_role == "tool":
-                messages += [{"role": "assistant", "content": r.text, "tool_calls": [call]},
-                             {"role": "tool", "tool_call_id": call["id"], "content": result}]
-            else:
-                messages += [{"role": "assistant", "content": r.text},
-                             {"role": "user", "content": f"read_file {file['source']}:\n{result}"}]
+        agents, wall = in_threads(list(range(a.agents)),
+                                  lambda k: agent_loop(client, model, a, k, system, prompts, per_token))
     finally:
         stop.set()
         for th in threads:
             th.join()
     flat = [r for rs in busy for r in rs]
+    by_turn = [{"turn": t + 1, "ttft_p50_s": pct([ts[t]["ttft_s"] for ts in agents if len(ts) > t], .5),
+                "ttft_max_s": max((ts[t]["ttft_s"] or 0 for ts in agents if len(ts) > t), default=None)}
+               for t in range(a.turns)]
+    tokens = sum(t["completion_tokens"] for ts in agents for t in ts if t["ok"])
     return {"chars_per_token": per_token, "system_tokens_asked": a.system_tokens,
-            "system_prompt_tokens": turns[0]["prompt_tokens"] if turns else None, "turns": turns,
+            "system_prompt_tokens": agents[0][0]["prompt_tokens"] if agents[0] else None,
+            "agents": agents, "ttft_by_turn": by_turn, "wall_s": wall, "completion_tokens": tokens,
+            "tokens_per_s": tokens / wall,
             "busy": {"clients": a.busy, "requests": len(flat), "failed": sum(not r.ok for r in flat),
                      "completion_tokens": sum(r.completion_tokens for r in flat)},
-            "passed": len(turns) == a.turns and all(t["ok"] for t in turns) and not any(not r.ok for r in flat)}
+            "passed": all(len(ts) == a.turns and all(t["ok"] for t in ts) for ts in agents)
+            and not any(not r.ok for r in flat)}
 
 
 TOOLS = [{"type": "function", "function": {
@@ -585,13 +604,17 @@ def print_summary(scenario: str, out: dict) -> None:
               + (f" (/ sequential after: {fmt(r.get('ratio_to_sequential_after'), '.2f')})" if "sequential_after" in r
                  else "") + f"; text mismatches: {len(r['text_mismatches'])}")
     elif scenario == "agent":
-        print(f"system prompt: {r['system_prompt_tokens']} tokens (asked {r['system_tokens_asked']}); "
-              f"busy clients: {r['busy']['clients']} ({r['busy']['requests']} requests)")
-        print(f"{'turn':>4} {'prompt':>6} {'new':>5} {'cached':>6} {'prefilled':>9} {'ttft s':>7} {'latency s':>9}")
-        for t in r["turns"]:
-            print(f"{t['turn']:4d} {fmt(t['prompt_tokens'], 'd'):>6} {fmt(t['new_tokens'], 'd'):>5} "
+        n = len(r["agents"])
+        print(f"system prompt: {r['system_prompt_tokens']} tokens (asked {r['system_tokens_asked']}); {n} agent(s): "
+              f"{r['tokens_per_s']:.1f} tokens/s together; busy clients: {r['busy']['clients']} "
+              f"({r['busy']['requests']} requests)")
+        print(f"agent 1: {'turn':>4} {'prompt':>6} {'new':>5} {'cached':>6} {'prefilled':>9} {'ttft s':>7} "
+              f"{'latency s':>9}" + (f" | all agents: {'ttft p50':>8} {'max':>6}" if n > 1 else ""))
+        for t, all_ in zip(r["agents"][0], r["ttft_by_turn"]):
+            print(f"         {t['turn']:4d} {fmt(t['prompt_tokens'], 'd'):>6} {fmt(t['new_tokens'], 'd'):>5} "
                   f"{fmt(t['cached_tokens'], 'd'):>6} {fmt(t['prefilled'], 'd'):>9} {fmt(t['ttft_s']):>7} "
-                  f"{fmt(t['latency_s']):>9}" + (f"  {t['error']}" if t["error"] else ""))
+                  f"{fmt(t['latency_s']):>9}" + (f" | {'':12}{fmt(all_['ttft_p50_s']):>8} {fmt(all_['ttft_max_s']):>6}"
+                                                  if n > 1 else "") + (f"  {t['error']}" if t["error"] else ""))
     else:
         rss = r["rss_mib"]
         print(f"sent {r['sent']}, ended {r['ended']}, lost {r['lost']}; outcomes {r['outcomes']}")
@@ -641,7 +664,8 @@ def main(argv=None) -> int:
     g.add_argument("--tool-role", choices=("tool", "user"), default="tool",
                    help="agent: send tool results as tool messages after an assistant tool call (default), or as "
                         "user messages")
-    g.add_argument("--busy", type=int, default=0, help="agent: other clients looping beside it")
+    g.add_argument("--agents", type=int, default=1, help="agent: conversations at once (same system prompt)")
+    g.add_argument("--busy", type=int, default=0, help="agent: other clients looping on completions beside them")
     g.add_argument("--cancel-after", type=int, default=3, help="load: chunks read before a cancel closes its stream")
     g.add_argument("--rss-at", type=int, default=40, help="load: the request after which memory is the reference")
     g.add_argument("--rss-limit", type=float, default=1.05, help="load: most last / reference memory")
