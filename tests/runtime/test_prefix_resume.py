@@ -1,8 +1,8 @@
 """Resuming from the prefix cache is exact (runtime/prefix_cache.py, snapshots.py, state/host.py): a context loaded
 from a snapshot holds the bits a prefill of the same tokens makes, and a generation resumed from it gives the tokens
 (and, with an MTP head or a drafter model, the drafts) of the same prompt prefilled from scratch. Tiny random models
-of each family: Qwen3.5 (Gated DeltaNet + attention), LFM2 (short conv + attention), a Mamba2 hybrid (Granite),
-pure Mamba2 (no KV at all) and Qwen3 (attention only)."""
+of each family: Qwen3.5 (Gated DeltaNet + attention; the multimodal checkpoint and its text model), LFM2 (short
+conv + attention), a Mamba2 hybrid (Granite), pure Mamba2 (no KV at all) and Qwen3 (attention only)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from snapspec.runtime.prefix_cache import PrefixCache
 from snapspec.runtime.prompt import Prompt
 from snapspec.runtime.state import host
 
-ARCHS = ["qwen3_5_text", "lfm2", "granitemoehybrid", "mamba2", "qwen3"]
+ARCHS = ["qwen3_5", "qwen3_5_text", "lfm2", "granitemoehybrid", "mamba2", "qwen3"]
 GiB = 1 << 30
 
 
