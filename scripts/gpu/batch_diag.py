@@ -41,9 +41,39 @@ outs, best, ref_logits = ref_ctx.bound.forward(keys, np.array([[7]]), ref_ctx.n_
 ref_ctx.advance(keys, np.array([[7]]), outs)
 ref_state = snap(ref_ctx)
 print("alone: next", best, "prefill state ok:", all(np.isfinite(v).all() for v in before.values()))
-for n in (1, 2):
+def plain_graph_session(shared: bool):
+    """The exported graph, unrewritten, through the scheduler's session maker (bytes, options, shared weights)."""
+    import onnx
+    from snapspec.runtime.head import external_values
+    from snapspec.runtime.model import open_like
+    path = t.manifest.graph_path("forward")
+    graph = onnx.load(str(path), load_external_data=False)
+    KEEP.append(external_values(t.manifest, "forward", ep=ep) if shared else None)  # alive as long as the session
+    return open_like(t, graph.SerializeToString(), path, KEEP[-1])
+
+
+KEEP = []
+
+
+for label, make in (("unrewritten graph, weights from files", lambda: plain_graph_session(False)),
+                    ("unrewritten graph, shared weights", lambda: plain_graph_session(True))):
+    c = fresh()
+    from snapspec.runtime.runners import BoundRunner
+    runner = BoundRunner(t, c.io, c.stores, c.max_len)
+    runner.session = make()
+    k = c.keys()
+    o, b_, lg = runner.forward(k, np.array([[7]]), c.n_past, 1, True)
+    c.advance(k, np.array([[7]]), o)
+    st = snap(c)
+    worst = max(((float(np.abs(st[x] - ref_state[x]).max()), x) for x in ref_state), default=(0.0, ""))
+    print(f"{label}: next {b_}, logits max diff {float(np.abs(lg.astype(np.float32) - ref_logits.astype(np.float32)).max()):.3e}, "
+          f"worst state {worst[1]} {worst[0]:.3e}")
+
+for n, shared in ((1, False), (1, True), (2, True)):
     ctxs = [fresh() for _ in range(n)]
-    r = BatchedRunner(t, n, batched_session(t, n))
+    from snapspec.runtime.head import external_values
+    KEEP.append(external_values(t.manifest, "forward", ep=ep) if shared else None)
+    r = BatchedRunner(t, n, batched_session(t, n, KEEP[-1]))
     calls = [Call(c, c.keys(), np.array([7]), c.n_past, 1, True) for c in ctxs]
     results = r.forward(calls)
     for c, call, res in zip(ctxs, calls, results):
@@ -52,5 +82,5 @@ for n in (1, 2):
         d = float(np.abs(res.logits.astype(np.float32) - ref_logits.astype(np.float32)).max())
         st = snap(c)
         worst = max(((float(np.abs(st[k] - ref_state[k]).max()), k) for k in ref_state), default=(0.0, ""))
-        print(f"graph for {n}, row {b}: next {res.best}, logits max diff {d:.3e}, worst state {worst[1]} "
+        print(f"graph for {n} ({'shared' if shared else 'file'} weights), row {b}: next {res.best}, logits max diff {d:.3e}, worst state {worst[1]} "
               f"{worst[0]:.3e}")
