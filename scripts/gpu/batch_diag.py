@@ -55,7 +55,8 @@ def plain_graph_session(shared: bool):
 KEEP = []
 
 
-for label, make in (("unrewritten graph, weights from files", lambda: plain_graph_session(False)),
+for label, make in (("a second load() of the folder", lambda: load(root / "out", ep=ep, rollback="replay").session),
+                    ("unrewritten graph, weights from files", lambda: plain_graph_session(False)),
                     ("unrewritten graph, shared weights", lambda: plain_graph_session(True))):
     c = fresh()
     from snapspec.runtime.runners import BoundRunner
