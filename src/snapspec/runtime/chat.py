@@ -21,6 +21,11 @@ NgramDrafter with other sizes), "mtp". The n-gram drafter lives as long as the s
 the whole rendered conversation plus the reply so far, so its lookups search every earlier turn; its index keeps
 what the next turn has in common with the last one and indexes only the rest. "mtp" (the target's own head) lives
 as long as the session too: its KV and the target's hidden rows it has not consumed carry over to the next turn.
+
+A PrefixCache (prefix_cache.py), shared by every PromptCache of one model, reaches past what the contexts hold:
+`prepare` loads the longest cached prefix of the prompt when it is longer than what the contexts kept (another
+conversation ran in between, or another slot prefilled it), then prefills to the base in pieces that end on each
+snapshot point and saves there (snapshots.py). The stats say how much came from it (prompt_cached).
 """
 
 from __future__ import annotations
