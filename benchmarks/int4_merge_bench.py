@@ -14,7 +14,6 @@ blocks/attention.py: what that already saves). Sessions do not spin (two live se
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
