@@ -187,9 +187,11 @@ def test_sigterm_drains_admitted_requests_and_refuses_new_ones(pair, tmp_path):
 
 def test_a_drain_timeout_stops_the_running_generation_cleanly(pair, tmp_path):
     """--drain-timeout 0.1: the running stream ends at its next step with finish_reason "stop" (stop_reason
-    "shutdown") and [DONE]; the one still waiting gets a 503 error event; nothing is half-written."""
+    "shutdown") and [DONE]; the one still waiting (one request at a time: --parallel 1) gets a 503 error event;
+    nothing is half-written."""
     target, drafter = pair
-    with serving(tmp_path / "stop.log", target, "--drafter", str(drafter), *FLAGS, "--drain-timeout", "0.1") as srv:
+    with serving(tmp_path / "stop.log", target, "--drafter", str(drafter), *FLAGS, "--drain-timeout", "0.1",
+                 "--parallel", "1") as srv:
         streams = [_long_stream(srv, None, f"stream {i}") for i in range(2)]
         srv["proc"].send_signal(signal.SIGTERM)
         raws = [resp.read() for _, resp in streams]

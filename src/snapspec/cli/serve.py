@@ -4,9 +4,13 @@ n-gram drafting: `--drafter ngram`).
 POST /v1/chat/completions and /v1/completions, each streamed as server-sent events with "stream": true; GET
 /v1/models and /health. Request checking and response shapes live in openai_api.py.
 
-Requests are served one at a time per model, first come first served: the model's Worker is one thread fed by a
-queue (a one-thread executor) and owns the model's contexts. Between requests the contexts keep what they hold, so a
-request that extends the previous one (a conversation's next turn) prefills only what is new (Context.resume).
+Requests are served first come first served by the model's Worker: `--parallel N` slots (N threads fed by a queue),
+each slot a PromptCache of its own (the target's context and the slot's draft source). With N > 1 the slots' target
+contexts hand their forwards to one scheduler (runtime/scheduler.py), which runs the slots' decode steps and
+verifies in one forward; each request's tokens are the ones it gets served alone. A request takes the free slot
+whose context holds the longest prefix of its prompt. Between requests the contexts keep what they hold, so a
+request that extends an earlier one (a conversation's next turn) prefills only what is new (Context.resume), and
+the prefix cache (--cache-ram), shared by all slots, brings back prefixes that another request evicted.
 ONNX Runtime releases the GIL while it computes, so the event loop keeps accepting and checking requests meanwhile.
 
 A client that disconnects stops its generation at the next step (the worker checks a flag between steps); a request
@@ -15,12 +19,9 @@ whose client left while it waited in the queue is skipped. Either way the queue 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
-import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from snapspec import SnapspecError
@@ -31,13 +32,9 @@ from . import openai_api as api
 from . import openai_tools
 from .options import (add_drafter_flags, add_generation_flags, at_least_one, byte_size, drafter_label,
                       generation_kwargs)
+from .worker import _DONE, PARALLEL_AUTO, Job, Worker, _log, _scheduling
 
-SCHEDULING = "one request at a time per model, first come first served, from a queue"
-# The prefix cache's default budget (docs/serve.md, "The prefix cache"): a 4,000-token prefix with its snapshots is
-# ~20 MB on pair-a, ~190 MB at the Qwen3.5-0.8B shape and ~500 MB at the 4B shape in fp32, so 2 GiB keeps a few
-# agents' conversations at the larger shapes while staying a small part of a machine that runs them.
 CACHE_RAM = "2GiB"
-_DONE = object()
 
 
 def add_parser(sub, runtime_flags):
@@ -54,172 +51,28 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--cache-ram", type=byte_size, default=byte_size(CACHE_RAM), metavar="SIZE",
                    help="host memory for the prefix cache: snapshots of prompt prefixes that later requests resume "
                         f"from, least recently used evicted (512MiB, 2GiB, 1.5GB; 0 turns it off; default {CACHE_RAM})")
+    p.add_argument("--parallel", type=_parallel, default="auto", metavar="N",
+                   help="requests decoded together, each on a slot (a context) of its own, their steps in one forward "
+                        f"(default auto: {PARALLEL_AUTO} where the model can batch, else 1; 1 serves one at a time)")
     lifecycle.add_flags(p, at_least_one)  # --api-key, --max-queue, --max-tokens-cap, --max-body-bytes, --drain-timeout
     runtime_flags(p)
 
 
-class Job:
-    """One request on its way through the queue. The worker thread reports through `events` (streaming)."""
-
-    def __init__(self, settings: api.Settings, prompt, max_tokens: api.MaxTokens, model: str,
-                 loop: asyncio.AbstractEventLoop):
-        self.settings, self.prompt, self.max_tokens, self.model, self.loop = settings, prompt, max_tokens, model, loop
-        self.ids = prompt.ids
-        self.id, self.created = api.new_id(settings.kind), api.now()
-        self.cancelled = False  # set by the event loop when the client is gone; read by the worker between steps
-        self.shutdown = False  # set with cancelled when the server stops it (lifecycle.Drain)
-        self.constraint = self.tool_format = self.stream = None  # grammar, tool-call format, ToolStream: openai_tools
-        self.gen = None
-        self.text = ""
-        self.events: asyncio.Queue = asyncio.Queue()
-
-    def emit(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-
-
-class Worker(lifecycle.Admission):
-    """One model's queue: a single thread runs the jobs in order over contexts it keeps between them. Admission
-    (submit, the queue's limit, stopping at shutdown) is lifecycle.Admission's."""
-
-    def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
-                 max_tokens_cap: int | None = None, max_queue: int | None = None, cache_ram: int = 0):
-        from snapspec.runtime.chat import PromptCache
-        from snapspec.runtime.prefix_cache import PrefixCache
-
-        self.prefix = PrefixCache(cache_ram) if cache_ram else None  # shared by every PromptCache of this model
-        self.cache = PromptCache(target, drafter, context, rollback=defaults.get("rollback") or "auto", plain=raw,
-                                 prefix_cache=self.prefix)
-        drafter = self.cache.drafter  # one draft source serves every request, in queue order
-        self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
-        self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
-        self.closing = False  # draining: submit refuses (lifecycle.Drain)
-        self.jobs: set[Job] = set()  # admitted and not yet finished
-        self.metrics = None  # serve.metrics.Metrics, set by build_app
-        self.door = self.cache.door  # a base model: completions only, chat requests get a 400
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"snapspec-{model_id}")
-        self.tool_format = openai_tools.prepare(self)  # the template's tool-call format; the grammar tokenizer
-        self.counts = {"waiting": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
-        self.current: Job | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def context_length(self) -> int:
-        return self.cache.max_len
-
-    def prompt(self, s: api.Settings):
-        """The request's Prompt (ids, where the conversation before its generation prompt ends, end-of-turn
-        stops), from the chat front door (src/snapspec/runtime/prompt.py)."""
-        from snapspec.runtime.prompt import NoChatTemplate
-        param = "messages" if s.kind == "chat" else "prompt"
-        try:
-            prompt = self.door.chat(openai_tools.template_messages(s.messages), **openai_tools.template_kwargs(
-                s, self)) if s.kind == "chat" else self.door.text(s.prompt)
-        except NoChatTemplate as exc:  # a base model: /v1/completions serves it
-            raise api.ApiError(400, str(exc), "messages", "no_chat_template") from None
-        except SnapspecError as exc:  # the chat template refused the messages
-            raise api.ApiError(400, str(exc), "messages") from None
-        ids = prompt.ids
-        if ids and max(ids) >= self.target.vocab_size:
-            raise api.ApiError(400, f"token id {max(ids)} is outside the vocabulary of {self.target.vocab_size}",
-                               param)
-        if not ids:
-            raise api.ApiError(400, "the messages render to no tokens" if s.kind == "chat"
-                               else "empty prompt: give at least one token of text", param)
-        if len(ids) >= self.context_length:
-            raise api.ApiError(400, f"the prompt is {len(ids)} tokens; this server's context is "
-                                    f"{self.context_length} (at least one new token must fit)", param,
-                               "context_length_exceeded")
-        return prompt
-
-    def max_tokens(self, s: api.Settings, prompt_tokens: int) -> api.MaxTokens:
-        """The request's max_tokens, checked against --max-tokens-cap and the context (lifecycle.max_tokens)."""
-        return lifecycle.max_tokens(s.max_tokens, self.defaults["max_new_tokens"], prompt_tokens, self.context_length,
-                                    self.max_tokens_cap)
-
-    def generator_kwargs(self, s: api.Settings, max_tokens: api.MaxTokens) -> dict:
-        from snapspec.runtime import SamplingParams
-        d = self.defaults
-        base = d["sampling"]
-        sampling = SamplingParams(base.temperature if s.temperature is None else s.temperature,
-                                  base.top_k if s.top_k is None else s.top_k,
-                                  base.top_p if s.top_p is None else s.top_p,
-                                  base.seed if s.seed is None else s.seed)
-        return {**d, "sampling": sampling, "max_new_tokens": max_tokens.used,
-                "stop_strings": list(d["stop_strings"]) + s.stop,
-                "stop_at_eos": d["stop_at_eos"] and not s.ignore_eos}
-
-    def _run(self, job: Job) -> None:
-        """In the worker thread."""
-        from snapspec.runtime import final_text, stream_text
-
-        with self._lock:
-            self.counts["waiting"] -= 1
-            self.counts["running"] = 1
-            self.current = job
-        start = time.perf_counter()
-        try:
-            if job.cancelled:  # before it started: its client left, or the server is shutting down
-                self._count("cancelled")
-                raise lifecycle.shutting_down() if job.shutdown else api.ApiError(499, "the client closed the "
-                                                                                      "request")
-            gen = self.cache.generator(job.prompt, constraint=job.constraint,
-                                       **self.generator_kwargs(job.settings, job.max_tokens))
-            job.gen = gen
-            job.stream = openai_tools.ToolStream(job)
-            for piece in stream_text(gen):
-                job.stream.feed(piece)  # emits what may go out now (text before a tool call)
-                if job.cancelled:
-                    gen.stop_reason = "shutdown" if job.shutdown else "cancelled"
-                    break
-            job.text = final_text(gen)
-            self._count("cancelled" if job.cancelled else "served")  # a shutdown's stop counts as cancelled
-            _log(f"{job.id} {job.settings.kind}: {len(job.ids)} prompt tokens ({gen.stats.prompt_reused} reused"
-                 + (f", {gen.stats.prompt_cached} from the prefix cache" if gen.stats.prompt_cached else "") + "), "
-                 f"{len(gen.tokens)} tokens, stop "
-                 f"{gen.stop_reason}{self._why_stopped(job)}, "
-                 f"{time.perf_counter() - start:.2f} s" + (f", acceptance {gen.stats.acceptance:.2f}"
-                                                           if gen.stats.drafted else "")
-                 + (f"; max_tokens {job.max_tokens.asked} capped at {job.max_tokens.used}: {job.max_tokens.why}"
-                    if job.max_tokens.why else ""))
-        except api.ApiError:  # refused before generating (see above)
-            raise
-        except Exception as exc:  # reported to the client as JSON; the worker goes on with the next job
-            self._count("failed")
-            if not isinstance(exc, SnapspecError):  # a generation interrupted inside a forward: start afresh
-                self.cache.reset()
-            _log(f"{job.id} failed: {exc}")
-            raise
-        finally:
-            with self._lock:
-                self.counts["running"] = 0
-                self.current = None
-            job.emit(_DONE)
-
-    @staticmethod
-    def _why_stopped(job: Job) -> str:
-        return "" if not job.cancelled else " (server shutting down)" if job.shutdown else " (client disconnected)"
-
-    def _count(self, what: str) -> None:
-        with self._lock:
-            self.counts[what] += 1
-
-    def health_counts(self) -> dict:
-        with self._lock:
-            return dict(self.counts)
-
-    def health(self) -> dict:
-        counts = self.health_counts()
-        return {"id": self.model_id, "context_length": self.context_length,
-                "drafter": drafter_label(self.drafter) if self.drafter else None, "queue": counts}
+def _parallel(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--parallel takes a number of requests >= 1 or auto, not {text!r}")
+    return n
 
 
 def _size(n: int) -> str:
     return next(f"{n / (1 << k):.3g} {unit}" for k, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"),
                                                             (0, "B")) if n >= 1 << k or k == 0)
-
-
-def _log(message: str) -> None:
-    print(f"snapspec serve: {message}", file=sys.stderr, flush=True)
 
 
 def build_app(worker: Worker, *, api_key: str | None = None, max_body: int = 4 << 20):
@@ -235,7 +88,7 @@ def build_app(worker: Worker, *, api_key: str | None = None, max_body: int = 4 <
     from snapspec.serve.access import Access
 
     metrics = worker.metrics = metrics_module.Metrics(worker.model_id, worker.health_counts, lambda: worker.closing,
-                                                      cache=worker.prefix)
+                                                      cache=worker.prefix, scheduler=worker.scheduler)
     schema = openapi.document(model_id=worker.model_id, context_length=worker.context_length, keyed=bool(api_key),
                               max_tokens_cap=worker.max_tokens_cap, version=__version__)
 
@@ -288,7 +141,7 @@ def build_app(worker: Worker, *, api_key: str | None = None, max_body: int = 4 <
              "drafter": drafter_label(worker.drafter) if worker.drafter else None}]})
 
     async def health(request):
-        return JSONResponse({"status": "draining" if worker.closing else "ok", "scheduling": SCHEDULING,
+        return JSONResponse({"status": "draining" if worker.closing else "ok", "scheduling": _scheduling(worker),
                              "models": [worker.health()]}, status_code=503 if worker.closing else 200)
 
     async def metrics_page(request):
@@ -367,7 +220,7 @@ def run(args) -> int:
     defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
                     raw=args.no_chat_template, defaults=defaults, max_tokens_cap=args.max_tokens_cap,
-                    max_queue=args.max_queue, cache_ram=args.cache_ram)
+                    max_queue=args.max_queue, cache_ram=args.cache_ram, parallel=args.parallel)
     key = lifecycle.api_key(args)
     sock = lifecycle.listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -375,7 +228,9 @@ def run(args) -> int:
     _log(f"serving {worker.model_id} on http://{url_host}:{port}/v1 (context {worker.context_length}"
          + (f", drafter {drafter_label(drafter)}" if drafter else "")
          + (f", prefix cache {_size(args.cache_ram)}" if worker.prefix is not None else ", no prefix cache")
-         + f"); {SCHEDULING}; Ctrl-C or SIGTERM drains, a second one stops")
+         + f"); {_scheduling(worker)}; Ctrl-C or SIGTERM drains, a second one stops")
+    if worker.parallel_note:
+        _log(worker.parallel_note)
     if key is None and not lifecycle.loopback(host):
         lifecycle.warn(f"listening on {host}, beyond this machine, without an API key: anyone who reaches it can use "
                        "it (--api-key KEY or $SNAPSPEC_API_KEY)")
@@ -388,8 +243,10 @@ def run(args) -> int:
     try:
         lifecycle.make_server(config, (worker, args.drain_timeout, _log)).run(sockets=[sock])
     finally:
-        if worker.current is not None:  # shutting down: the running generation stops at its next step
-            worker.current.cancelled = True
+        for job in list(worker.running):  # shutting down: running generations stop at their next step
+            job.cancelled = True
         worker.executor.shutdown(wait=True, cancel_futures=True)
+        if worker.scheduler is not None:
+            worker.scheduler.close()
         sock.close()
     return 0

@@ -25,7 +25,7 @@ class Metrics:
     """The server's Prometheus metrics. `queue` returns the worker's counts (waiting, running) when scraped;
     `draining` whether the server is shutting down; `cache` the server's PrefixCache (None: no prefix cache)."""
 
-    def __init__(self, model_id: str, queue, draining, cache=None):
+    def __init__(self, model_id: str, queue, draining, cache=None, scheduler=None):
         from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                        disable_created_metrics)
 
@@ -56,7 +56,8 @@ class Metrics:
         self.phase = Counter("snapspec_phase_seconds", "Seconds spent per phase: prefill and decode whole; draft, "
                              "verify, rollback, sampling inside them", ["model", "phase"], registry=r)
         waiting = Gauge("snapspec_queue_waiting", "Requests waiting in the queue", ["model"], registry=r)
-        running = Gauge("snapspec_queue_running", "Requests being generated (0 or 1)", ["model"], registry=r)
+        running = Gauge("snapspec_queue_running", "Requests being generated (at most --parallel)", ["model"],
+                        registry=r)
         waiting.labels(model_id).set_function(lambda: queue()["waiting"])
         running.labels(model_id).set_function(lambda: queue()["running"])
         ratio = Gauge("snapspec_acceptance_ratio", "Accepted / drafted tokens since the server started",
@@ -66,6 +67,8 @@ class Metrics:
               registry=r).set_function(lambda: 1.0 if draining() else 0.0)
         if cache is not None:
             r.register(CacheCollector(model_id, cache))
+        if scheduler is not None:
+            r.register(SchedulerCollector(model_id, scheduler))
         self.model = model_id
         self._spec = (0, 0)  # drafted, accepted: the ratio's terms (replaced whole, read from any thread)
         for counter in (self.prompt_tokens, self.prompt_reused, self.completion_tokens, self.drafted, self.accepted,
@@ -107,6 +110,37 @@ class Metrics:
     def page(self) -> bytes:
         from prometheus_client import generate_latest
         return generate_latest(self.registry)
+
+
+class SchedulerCollector:
+    """The scheduler's counters (runtime/scheduler.py: serve --parallel), read when the page is scraped: sequences
+    running now, forwards run, how many ran several sequences, and their rows (rows per forward = rows / forwards;
+    padding = verify rows of shorter drafts, rolled back)."""
+
+    def __init__(self, model_id: str, scheduler):
+        self.model, self.scheduler = model_id, scheduler
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        c = self.scheduler.counters
+        active = GaugeMetricFamily("snapspec_batch_active_sequences", "Sequences decoding now (joined the scheduler)",
+                                   labels=["model"])
+        active.add_metric([self.model], self.scheduler.live)
+        yield active
+        for name, doc, value in (
+                ("forwards", "Target forwards the scheduler ran (batched or alone)", c.forwards),
+                ("batched_forwards", "Forwards that ran several sequences' rows", c.batched_forwards),
+                ("rows", "Token rows run, padding included", c.rows),
+                ("padded_rows", "Padding rows (a shorter verify's, rolled back like a rejected draft)", c.padded_rows),
+                ("sequence_calls", "Sequences' forwards served (the sum of each forward's batch size)", c.sequences)):
+            family = CounterMetricFamily(f"snapspec_batch_{name}", doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
+        rows = GaugeMetricFamily("snapspec_batch_rows_per_forward", "Rows per forward since the server started",
+                                 labels=["model"])
+        rows.add_metric([self.model], c.rows / c.forwards if c.forwards else 0.0)
+        yield rows
 
 
 class CacheCollector:

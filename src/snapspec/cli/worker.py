@@ -1,0 +1,231 @@
+"""The serve Worker: one model's queue, its slots (each a PromptCache: a target context and a draft source) and the
+jobs running on them (cli/serve.py builds the application around it; the module doc there says how requests are
+scheduled). A job takes the free slot whose context holds the longest prefix of its prompt; with --parallel N > 1
+the slots' target contexts hand their forwards to one scheduler (runtime/scheduler.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from snapspec import SnapspecError
+from snapspec.serve import lifecycle
+
+from . import openai_api as api
+from . import openai_tools
+from .options import drafter_label
+
+SCHEDULING = "one request at a time per model, first come first served, from a queue"
+# --parallel auto: slots when the model can run sequences in one forward (runtime/scheduler.py: batchable). 4 is
+# llama-server's default slot count and what agents send at once (parallel tool calls, a few sub-agents); each slot
+# holds a context of --context tokens (docs/serve.md, "Parallel requests").
+PARALLEL_AUTO = 4
+# The prefix cache's default budget (docs/serve.md, "The prefix cache"): a 4,000-token prefix with its snapshots is
+# ~20 MB on pair-a, ~190 MB at the Qwen3.5-0.8B shape and ~500 MB at the 4B shape in fp32, so 2 GiB keeps a few
+# agents' conversations at the larger shapes while staying a small part of a machine that runs them.
+_DONE = object()
+
+
+class Job:
+    """One request on its way through the queue. The worker thread reports through `events` (streaming)."""
+
+    def __init__(self, settings: api.Settings, prompt, max_tokens: api.MaxTokens, model: str,
+                 loop: asyncio.AbstractEventLoop):
+        self.settings, self.prompt, self.max_tokens, self.model, self.loop = settings, prompt, max_tokens, model, loop
+        self.ids = prompt.ids
+        self.id, self.created = api.new_id(settings.kind), api.now()
+        self.cancelled = False  # set by the event loop when the client is gone; read by the worker between steps
+        self.shutdown = False  # set with cancelled when the server stops it (lifecycle.Drain)
+        self.constraint = self.tool_format = self.stream = None  # grammar, tool-call format, ToolStream: openai_tools
+        self.gen = None
+        self.text = ""
+        self.events: asyncio.Queue = asyncio.Queue()
+
+    def emit(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class Worker(lifecycle.Admission):
+    """One model's queue: a single thread runs the jobs in order over contexts it keeps between them. Admission
+    (submit, the queue's limit, stopping at shutdown) is lifecycle.Admission's."""
+
+    def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
+                 max_tokens_cap: int | None = None, max_queue: int | None = None, cache_ram: int = 0,
+                 parallel: int | str = 1):
+        """parallel: slots (requests decoded together), or "auto" (PARALLEL_AUTO where the model batches, else
+        1: `parallel_note` says why)."""
+        from snapspec.runtime.chat import PromptCache
+        from snapspec.runtime.prefix_cache import PrefixCache
+        from snapspec.runtime.scheduler import Scheduler, batchable
+
+        why = batchable(target)
+        self.parallel_note = None
+        if parallel == "auto":
+            parallel = PARALLEL_AUTO if why is None else 1
+            self.parallel_note = None if why is None else f"one request at a time: {target.folder.name} {why}"
+        elif parallel > 1 and why is not None:
+            raise SnapspecError(f"--parallel {parallel}: {target.folder.name} cannot run requests together: {why}")
+        self.parallel = int(parallel)
+        self.prefix = PrefixCache(cache_ram) if cache_ram else None  # shared by every PromptCache of this model
+        self.slots = [PromptCache(target, drafter, context, rollback=defaults.get("rollback") or "auto", plain=raw,
+                                  prefix_cache=self.prefix) for _ in range(self.parallel)]
+        self.cache = self.slots[0]  # the front door, the context length and the drafter's label: every slot's
+        self.scheduler = None
+        if self.parallel > 1:
+            self.scheduler = Scheduler(target)
+            for slot in self.slots:
+                self.scheduler.attach(slot.tctx)
+            self.scheduler.warm(range(2, self.parallel + 1))  # the graphs for 2..N sequences, before any request
+        self._free = list(self.slots)
+        drafter = self.cache.drafter  # each slot has its own draft source of this kind
+        self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
+        self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
+        self.closing = False  # draining: submit refuses (lifecycle.Drain)
+        self.jobs: set[Job] = set()  # admitted and not yet finished
+        self.metrics = None  # serve.metrics.Metrics, set by build_app
+        self.door = self.cache.door  # a base model: completions only, chat requests get a 400
+        self.executor = ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix=f"snapspec-{model_id}")
+        self.tool_format = openai_tools.prepare(self)  # the template's tool-call format; the grammar tokenizer
+        self.counts = {"waiting": 0, "running": 0, "served": 0, "cancelled": 0, "failed": 0}
+        self.running: set[Job] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def context_length(self) -> int:
+        return self.cache.max_len
+
+    def prompt(self, s: api.Settings):
+        """The request's Prompt (ids, where the conversation before its generation prompt ends, end-of-turn
+        stops), from the chat front door (src/snapspec/runtime/prompt.py)."""
+        from snapspec.runtime.prompt import NoChatTemplate
+        param = "messages" if s.kind == "chat" else "prompt"
+        try:
+            prompt = self.door.chat(openai_tools.template_messages(s.messages), **openai_tools.template_kwargs(
+                s, self)) if s.kind == "chat" else self.door.text(s.prompt)
+        except NoChatTemplate as exc:  # a base model: /v1/completions serves it
+            raise api.ApiError(400, str(exc), "messages", "no_chat_template") from None
+        except SnapspecError as exc:  # the chat template refused the messages
+            raise api.ApiError(400, str(exc), "messages") from None
+        ids = prompt.ids
+        if ids and max(ids) >= self.target.vocab_size:
+            raise api.ApiError(400, f"token id {max(ids)} is outside the vocabulary of {self.target.vocab_size}",
+                               param)
+        if not ids:
+            raise api.ApiError(400, "the messages render to no tokens" if s.kind == "chat"
+                               else "empty prompt: give at least one token of text", param)
+        if len(ids) >= self.context_length:
+            raise api.ApiError(400, f"the prompt is {len(ids)} tokens; this server's context is "
+                                    f"{self.context_length} (at least one new token must fit)", param,
+                               "context_length_exceeded")
+        return prompt
+
+    def max_tokens(self, s: api.Settings, prompt_tokens: int) -> api.MaxTokens:
+        """The request's max_tokens, checked against --max-tokens-cap and the context (lifecycle.max_tokens)."""
+        return lifecycle.max_tokens(s.max_tokens, self.defaults["max_new_tokens"], prompt_tokens, self.context_length,
+                                    self.max_tokens_cap)
+
+    def generator_kwargs(self, s: api.Settings, max_tokens: api.MaxTokens) -> dict:
+        from snapspec.runtime import SamplingParams
+        d = self.defaults
+        base = d["sampling"]
+        sampling = SamplingParams(base.temperature if s.temperature is None else s.temperature,
+                                  base.top_k if s.top_k is None else s.top_k,
+                                  base.top_p if s.top_p is None else s.top_p,
+                                  base.seed if s.seed is None else s.seed)
+        return {**d, "sampling": sampling, "max_new_tokens": max_tokens.used,
+                "stop_strings": list(d["stop_strings"]) + s.stop,
+                "stop_at_eos": d["stop_at_eos"] and not s.ignore_eos}
+
+    def _run(self, job: Job) -> None:
+        """In the worker thread."""
+        from snapspec.runtime import final_text, stream_text
+
+        with self._lock:
+            self.counts["waiting"] -= 1
+            self.counts["running"] += 1
+            self.running.add(job)
+            slot = self._take_slot(job.ids)
+        if self.scheduler is not None:
+            self.scheduler.join()
+        start = time.perf_counter()
+        try:
+            if job.cancelled:  # before it started: its client left, or the server is shutting down
+                self._count("cancelled")
+                raise lifecycle.shutting_down() if job.shutdown else api.ApiError(499, "the client closed the "
+                                                                                      "request")
+            gen = slot.generator(job.prompt, constraint=job.constraint,
+                                       **self.generator_kwargs(job.settings, job.max_tokens))
+            job.gen = gen
+            job.stream = openai_tools.ToolStream(job)
+            for piece in stream_text(gen):
+                job.stream.feed(piece)  # emits what may go out now (text before a tool call)
+                if job.cancelled:
+                    gen.stop_reason = "shutdown" if job.shutdown else "cancelled"
+                    break
+            job.text = final_text(gen)
+            self._count("cancelled" if job.cancelled else "served")  # a shutdown's stop counts as cancelled
+            _log(f"{job.id} {job.settings.kind}: {len(job.ids)} prompt tokens ({gen.stats.prompt_reused} reused"
+                 + (f", {gen.stats.prompt_cached} from the prefix cache" if gen.stats.prompt_cached else "") + "), "
+                 f"{len(gen.tokens)} tokens, stop "
+                 f"{gen.stop_reason}{self._why_stopped(job)}, "
+                 f"{time.perf_counter() - start:.2f} s" + (f", acceptance {gen.stats.acceptance:.2f}"
+                                                           if gen.stats.drafted else "")
+                 + (f"; max_tokens {job.max_tokens.asked} capped at {job.max_tokens.used}: {job.max_tokens.why}"
+                    if job.max_tokens.why else ""))
+        except api.ApiError:  # refused before generating (see above)
+            raise
+        except Exception as exc:  # reported to the client as JSON; the worker goes on with the next job
+            self._count("failed")
+            if not isinstance(exc, SnapspecError):  # a generation interrupted inside a forward: start afresh
+                slot.reset()
+            _log(f"{job.id} failed: {exc}")
+            raise
+        finally:
+            if self.scheduler is not None:
+                self.scheduler.leave()
+            with self._lock:
+                self.counts["running"] -= 1
+                self.running.discard(job)
+                self._free.append(slot)
+            job.emit(_DONE)
+
+    def _take_slot(self, ids):
+        """The free slot whose target context holds the longest prefix of ids (a conversation's next turn goes back
+        to its slot); there is one for every running job (one thread per slot). Under the lock."""
+        from snapspec.runtime.prompt import common_prefix
+
+        slot = max(self._free, key=lambda c: common_prefix(c.tctx.tokens, ids))
+        self._free.remove(slot)
+        return slot
+
+    @staticmethod
+    def _why_stopped(job: Job) -> str:
+        return "" if not job.cancelled else " (server shutting down)" if job.shutdown else " (client disconnected)"
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
+
+    def health_counts(self) -> dict:
+        with self._lock:
+            return dict(self.counts)
+
+    def health(self) -> dict:
+        counts = self.health_counts()
+        return {"id": self.model_id, "context_length": self.context_length,
+                "drafter": drafter_label(self.drafter) if self.drafter else None, "parallel": self.parallel,
+                "queue": counts}
+
+
+def _scheduling(worker: Worker) -> str:
+    if worker.parallel == 1:
+        return SCHEDULING
+    return (f"up to {worker.parallel} requests decoded together (--parallel), each on a slot of its own, first come "
+            "first served from a queue")
+
+
+def _log(message: str) -> None:
+    print(f"snapspec serve: {message}", file=sys.stderr, flush=True)
