@@ -23,6 +23,7 @@ import json
 import platform
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
     def sequential():
         out, ttft = [], []
         start = time.perf_counter()
+        decode = [0, 0.0]  # tokens after each prompt's first, and their seconds
         for ids in prompts:
             pair.reset()
             t0 = time.perf_counter()
@@ -82,9 +84,11 @@ def main(argv=None) -> int:
             first = None
             for _ in gen:
                 first = first or time.perf_counter() - t0
+            decode[0] += len(gen.tokens) - 1
+            decode[1] += time.perf_counter() - t0 - first
             out.append(gen.tokens)
             ttft.append(first)
-        return out, time.perf_counter() - start, ttft
+        return out, time.perf_counter() - start, ttft, decode[0] / decode[1]
 
     def together():
         for p_ in batch.pairs:
@@ -92,31 +96,43 @@ def main(argv=None) -> int:
         before = dict(vars(batch.scheduler.counters))
         start = time.perf_counter()
         seqs = [batch.submit(ids, **kw) for ids in prompts]
-        out, ttft = [], []
-        for s in seqs:
+        out, ttft, stamps = [], [], []  # stamps: (seconds, new tokens) of every event
+        lock = threading.Lock()
+
+        def read(i, s):
             toks, first = [], None
             for e in s:
                 if e.error is not None:
                     raise e.error
-                first = first or time.perf_counter() - start
+                now = time.perf_counter() - start
+                first = first or now
                 toks += e.tokens
-            out.append(toks)
-            ttft.append(first)
+                with lock:
+                    stamps.append((now, len(e.tokens)))
+            out[i], ttft[i] = toks, first
+
+        out, ttft = [None] * len(seqs), [None] * len(seqs)
+        readers = [threading.Thread(target=read, args=(i, s)) for i, s in enumerate(seqs)]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join()
         wall = time.perf_counter() - start
         counters = {k: v - before[k] for k, v in vars(batch.scheduler.counters).items()}
-        return out, wall, ttft, counters
+        # decode together: the tokens after every prompt had its first, over that window (all running at once
+        # when --parallel >= the prompts)
+        since = max(ttft)
+        late = sum(n for t_, n in stamps if t_ > since)
+        return out, wall, ttft, counters, late / max(wall - since, 1e-9)
 
     runs = []
     for rep in range(a.reps):
-        seq_out, seq_wall, seq_ttft = sequential()
-        tog_out, tog_wall, tog_ttft, counters = together()
+        seq_out, seq_wall, seq_ttft, seq_decode = sequential()
+        tog_out, tog_wall, tog_ttft, counters, tog_decode = together()
         equal = [x == y for x, y in zip(seq_out, tog_out)]
         first_difference = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
                             for x, y in zip(seq_out, tog_out)]
         tokens = sum(map(len, seq_out))
-        # decode alone: the tokens after each prompt's first over the time after its first token
-        seq_decode = (tokens - len(prompts)) / (seq_wall - sum(seq_ttft))
-        tog_decode = (tokens - len(prompts)) / (tog_wall - max(tog_ttft))
         runs.append({"rep": rep, "tokens": tokens, "sequential_s": seq_wall, "together_s": tog_wall,
                      "sequential_tps": tokens / seq_wall, "together_tps": tokens / tog_wall,
                      "ratio": seq_wall / tog_wall, "equal": equal, "sequential_ttft": seq_ttft,
