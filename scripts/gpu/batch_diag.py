@@ -85,3 +85,75 @@ for n, shared in ((1, False), (1, True), (2, True)):
         worst = max(((float(np.abs(st[k] - ref_state[k]).max()), k) for k in ref_state), default=(0.0, ""))
         print(f"graph for {n} ({'shared' if shared else 'file'} weights), row {b}: next {res.best}, logits max diff {d:.3e}, worst state {worst[1]} "
               f"{worst[0]:.3e}")
+
+
+# -- variants of the rewrite for one sequence, each alone: which part departs on this provider ---------------------
+def variant(kind: str):
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from snapspec.runtime.batched_graph import batched, row_name
+    path = t.manifest.graph_path("forward")
+    m = onnx.load(str(path), load_external_data=False)
+    state = t.manifest.state
+    packed = t.manifest.rollback_data
+    if kind == "rename only":  # inputs and outputs renamed, nothing else
+        names = {s["name"]: row_name(s["name"], 0) for s in state}
+        names.update({o: row_name(o, 0) for s in state for o in [s["output"], *s.get("aliases", ())]})
+        if packed:
+            names[packed["name"]] = row_name(packed["name"], 0)
+        for n_ in m.graph.node:
+            n_.input[:] = [names.get(x, x) for x in n_.input]
+            n_.output[:] = [names.get(x, x) for x in n_.output]
+        for v in list(m.graph.input) + list(m.graph.output):
+            v.name = names.get(v.name, v.name)
+        return m
+    m = batched(m, 1, state, per_row_outputs=[packed["name"]] if packed else ())
+    if kind == "scalar total":  # GroupQueryAttention's total_sequence_length as a scalar, as exported
+        m.graph.initializer.append(numpy_helper.from_array(np.array([], np.int64).reshape(0), "/diag/scalar"))
+        for n_ in list(m.graph.node):
+            if n_.op_type == "GroupQueryAttention":
+                total = n_.input[6]
+                n_.input[6] = total + "/scalar"
+                m.graph.node.append(helper.make_node("Reshape", [total, "/diag/scalar"], [total + "/scalar"]))
+        order = {}  # keep a topological order: the reshapes right after their Add
+        nodes = list(m.graph.node)
+        reshapes = {x.output[0]: x for x in nodes if x.input and x.input[0].endswith("/total_0") and x.op_type == "Reshape"}
+        out = []
+        for x in nodes:
+            if x.op_type == "Reshape" and x.output[0] in reshapes:
+                continue
+            out.append(x)
+            for o in x.output:
+                if o + "/scalar" in reshapes:
+                    out.append(reshapes[o + "/scalar"])
+        del m.graph.node[:]
+        m.graph.node.extend(out)
+    return m
+
+
+for kind in ("rename only", "scalar total"):
+    from snapspec.runtime.model import open_like
+    try:
+        sess = open_like(t, variant(kind).SerializeToString(), t.manifest.graph_path("forward"))
+    except Exception as exc:
+        print(f"{kind}: cannot load: {str(exc)[:300]}")
+        continue
+    c = fresh()
+    r = BatchedRunner(t, 1, sess)
+    call = Call(c, c.keys(), np.array([7]), c.n_past, 1, True)
+    res = r.forward([call])[0]
+    c.advance(call.keys, res.ids[None], res.outs)
+    st = snap(c)
+    diffs = {k: float(np.abs(st[k] - ref_state[k]).max()) for k in ref_state}
+    print(f"{kind}: logits max diff {float(np.abs(res.logits.astype(np.float32) - ref_logits.astype(np.float32)).max()):.3e}; "
+          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+
+# every state's difference for the full rewrite, one sequence
+c = fresh()
+r = BatchedRunner(t, 1, batched_session(t, 1))
+call = Call(c, c.keys(), np.array([7]), c.n_past, 1, True)
+res = r.forward([call])[0]
+c.advance(call.keys, res.ids[None], res.outs)
+st = snap(c)
+print("full rewrite, every state: " + ", ".join(f"{k} {float(np.abs(st[k] - ref_state[k]).max()):.1e}" for k in ref_state))
