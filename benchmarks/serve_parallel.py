@@ -5,19 +5,25 @@ The script starts the server itself (snapspec serve or llama-server, on 127.0.0.
 summary and writes JSON (--out). `--attach URL` measures a server that is already running instead (`--pid` for its
 memory). Nothing leaves localhost.
 
-    python benchmarks/serve_parallel.py concurrent --target T --parallel 4 --server-args="--no-chat-template" \
-        --clients 4 --requests 2 --max-tokens 128 --out conc.json
-    python benchmarks/serve_parallel.py concurrent --server llama --gguf G.gguf --parallel 4 --clients 4 --requests 2
-    python benchmarks/serve_parallel.py agent --target T --parallel 4 --server-args="--no-chat-template" --busy 3
-    python benchmarks/serve_parallel.py load --target T --parallel 4 --server-args="--no-chat-template" \
-        --clients 16 --requests 50 --max-tokens 48
+    python benchmarks/serve_parallel.py concurrent --target T --drafter mtp --parallel 4 \
+        --clients 4 --requests 4 --max-tokens 128 --out conc.json
+    python benchmarks/serve_parallel.py concurrent --server llama --gguf G.gguf --parallel 4 \
+        --server-args="--spec-type draft-mtp" --clients 4 --requests 4 --max-tokens 128 --out conc-llama.json
+    python benchmarks/serve_parallel.py agent --target T --parallel 4 --chat-template TPL \
+        --template-kwargs '{"enable_thinking": false}' --system-tokens 3000 --busy 3 --out agent.json
+    python benchmarks/serve_parallel.py load --target T --parallel 4 --chat-template TPL \
+        --template-kwargs '{"enable_thinking": false}' --clients 16 --requests 50 --max-tokens 48 --out load.json
+
+(TPL: a chat template for a model without one, such as pair-a; docs/benchmarks/serving.md has the commands for
+pair-a + its MTP head against llama-server on the same checkpoint.)
 
 Scenarios:
 - concurrent: --clients C threads each send --requests R completion requests (prompts from --prompts, a JSONL with
   a "prompt" field), and the same C*R requests are sent one at a time in the same run (sequential, concurrent, and
   sequential again unless --no-bracket: the two sequential figures show how much the machine drifted). Aggregate
   tokens/s = completion tokens / wall time of the phase; time to first token and latency p50/p95 per request. Each
-  request's concurrent text is compared with its sequential text: the run fails (exit 1) if any differ. A warm-up
+  request's concurrent text (and second sequential text) is compared with its first sequential text: the run fails
+  (exit 1) if any differ. A warm-up
   sends each distinct prompt once (max_tokens 1) first, so that every phase meets the same prefix cache.
 - agent: --agents A conversations at once (default 1), each of --turns chat requests over the same deterministic
   ~--system-tokens tool manual; after each reply a conversation gets the assistant's message (with a read_file tool
@@ -40,6 +46,11 @@ Servers:
   whole context and llama-server splits it across the -np slots: --ctx is per slot. `--poll 0` keeps its idle
   threads from spinning on the cores the clients need (../shared/peers/llama.cpp/README.md). Its MTP head:
   --server-args="--spec-type draft-mtp".
+- `--chat-template FILE`: snapspec serves a hard-linked copy of the target folder with FILE as chat_template.jinja;
+  llama-server gets --chat-template-file FILE. `--template-kwargs JSON` goes into every chat request as
+  chat_template_kwargs (both servers take it); '{"enable_thinking": false}' keeps a thinking template (Qwen3.5's)
+  from opening a think block that a model like pair-a never closes (llama-server then returns the whole reply as
+  reasoning_content, and applies no tool or json_schema grammar).
 
 llama-server was built from ../shared/peers/llama.cpp/src (b11312 + the seed fix) on CPU. The vendored tree has an
 empty tools/ui, so the web UI was stubbed first: tools/ui/CMakeLists.txt making a `llama-ui` library of no assets
@@ -54,6 +65,8 @@ vector, `llama_ui_find_asset()` nullptr, `llama_ui_use_gzip()` false) and an emp
         -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_USE_PREBUILT_UI=OFF
     nice -n 19 cmake --build build -j2 --target llama-server      # -> /tmp/llama-build/build/bin/llama-server
+
+(211 steps, about 12 minutes on a busy 2-core machine; `llama-server --version`: 0.5.0-dev, GNU 12.2.0.)
 
 (GGML_OPENMP=OFF as in the peer binaries of ../shared/peers/llama.cpp/bin; GGML_NATIVE is left on: -march=native.)
 """
@@ -75,6 +88,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -198,15 +212,16 @@ class Server:
 class Result:
     ok: bool = False
     text: str = ""
+    reasoning: str = ""  # reasoning_content, where a server splits thinking out of the text (llama-server)
     finish: str | None = None
     tool_calls: list = field(default_factory=list)
-    ttft: float | None = None  # seconds to the first chunk carrying text or a tool call
+    ttft: float | None = None  # seconds to the first chunk carrying text, reasoning or a tool call
     latency: float = 0.0
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     cached_tokens: int | None = None
     chunks: int = 0  # streamed chunks read
-    pieces: int = 0  # of which carried text or a tool call (the token count when the server sends no usage)
+    pieces: int = 0  # of which carried text, reasoning or a tool call (the tokens when the server sends no usage)
     error: str = ""
 
 
@@ -231,6 +246,7 @@ def request(client, endpoint: str, stream: bool = True, cancel_after: int | None
                 r.text = choice.text
             else:
                 r.text = choice.message.content or ""
+                r.reasoning = getattr(choice.message, "reasoning_content", None) or ""
                 r.tool_calls = [{"name": c.function.name, "arguments": c.function.arguments}
                                 for c in choice.message.tool_calls or []]
             r.finish, r.ttft = choice.finish_reason, time.perf_counter() - start
@@ -243,15 +259,17 @@ def request(client, endpoint: str, stream: bool = True, cancel_after: int | None
                 _usage(r, getattr(chunk, "usage", None))
                 for choice in chunk.choices:
                     piece = choice.text if endpoint == "completions" else choice.delta.content
+                    thought = None if endpoint == "completions" else getattr(choice.delta, "reasoning_content", None)
                     deltas = [] if endpoint == "completions" else choice.delta.tool_calls or []
                     for d in deltas:
                         call = calls.setdefault(d.index, {"name": "", "arguments": ""})
                         call["name"] += (d.function and d.function.name) or ""
                         call["arguments"] += (d.function and d.function.arguments) or ""
-                    if piece or deltas:
+                    if piece or thought or deltas:
                         r.pieces += 1
                         r.ttft = r.ttft or time.perf_counter() - start
                     r.text += piece or ""
+                    r.reasoning += thought or ""
                     r.finish = choice.finish_reason or r.finish
                 if cancel_after and r.chunks >= cancel_after:
                     events.close()
@@ -266,6 +284,14 @@ def request(client, endpoint: str, stream: bool = True, cancel_after: int | None
         r.error = f"{type(e).__name__}: {str(e)[:300]}"
     r.latency = time.perf_counter() - start
     return r
+
+
+def extra(a, chat: bool, ignore_eos: bool = True) -> dict:
+    """The request fields beyond OpenAI's that both servers take: ignore_eos, chat_template_kwargs (chat only)."""
+    body = {"ignore_eos": True} if a.ignore_eos and ignore_eos else {}
+    if chat and a.template_kwargs:
+        body["chat_template_kwargs"] = a.template_kwargs
+    return {"extra_body": body} if body else {}
 
 
 def pct(values, q: float) -> float | None:
@@ -316,7 +342,7 @@ def load_prompts(path: Path) -> list[dict]:
 def concurrent(a, client, model: str, server: Server) -> dict:
     prompts = load_prompts(a.prompts)
     jobs = [(c, i, prompts[(c * a.requests + i) % len(prompts)]) for c in range(a.clients) for i in range(a.requests)]
-    common = {"model": model, "max_tokens": a.max_tokens, "temperature": 0, **a.extra_body}
+    common = {"model": model, "max_tokens": a.max_tokens, "temperature": 0, **extra(a, chat=False)}
 
     def one(job):
         return request(client, "completions", prompt=job[2]["prompt"], **common)
@@ -337,11 +363,12 @@ def concurrent(a, client, model: str, server: Server) -> dict:
     phases = {"sequential": sequential(), "concurrent": together()}
     if a.bracket:
         phases["sequential_after"] = sequential()
-    seq, conc = phases["sequential"][0], phases["concurrent"][0]
-    mismatches = [{"client": c, "request": i, "prompt": p["id"], "sequential": s.text, "concurrent": r.text,
+    seq = phases["sequential"][0]
+    mismatches = [{"phase": name, "client": c, "request": i, "prompt": p["id"], "sequential": s.text, name: r.text,
                    "first_difference": next((k for k, (x, y) in enumerate(zip(s.text, r.text)) if x != y),
                                             min(len(s.text), len(r.text)))}
-                  for (c, i, p), s, r in zip(jobs, seq, conc) if s.text != r.text]
+                  for name, (results, _) in phases.items() if name != "sequential"
+                  for (c, i, p), s, r in zip(jobs, seq, results) if s.text != r.text]
     out = {name: summary(rs, wall) for name, (rs, wall) in phases.items()}
     base = out["sequential"]["tokens_per_s"]
     out["ratio"] = out["concurrent"]["tokens_per_s"] / base if base else None
@@ -389,7 +416,7 @@ def busy_clients(client, model: str, a, prompts: list[dict], stop: threading.Eve
         i = k
         while not stop.is_set():
             done[k].append(request(client, "completions", prompt=prompts[i % len(prompts)]["prompt"], model=model,
-                                   max_tokens=a.max_tokens, temperature=0, **a.extra_body))
+                                   max_tokens=a.max_tokens, temperature=0, **extra(a, chat=False)))
             i += a.busy
 
     threads = [threading.Thread(target=loop, args=(k,), daemon=True) for k in range(a.busy)]
@@ -410,12 +437,13 @@ def agent_loop(client, model: str, a, k: int, system: str, files: list[dict], pe
     turns, previous = [], 0
     for t in range(a.turns):
         r = request(client, "chat", messages=messages, model=model, max_tokens=a.max_tokens, temperature=0,
-                    **a.extra_body)
+                    **extra(a, chat=True))
         prefilled = None if r.cached_tokens is None or r.prompt_tokens is None else r.prompt_tokens - r.cached_tokens
         turns.append({"turn": t + 1, "ok": r.ok, "error": r.error, "ttft_s": r.ttft, "latency_s": r.latency,
                       "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens, "prefilled": prefilled,
                       "new_tokens": None if r.prompt_tokens is None else r.prompt_tokens - previous,
-                      "completion_tokens": r.completion_tokens, "reply": r.text})
+                      "completion_tokens": r.completion_tokens, "reply": r.text,
+                      "reasoning": r.reasoning})
         if not r.ok:
             break
         previous = r.prompt_tokens or 0
@@ -453,7 +481,8 @@ def agent(a, client, model: str, server: Server) -> dict:
             th.join()
     flat = [r for rs in busy for r in rs]
     by_turn = [{"turn": t + 1, "ttft_p50_s": pct([ts[t]["ttft_s"] for ts in agents if len(ts) > t], .5),
-                "ttft_max_s": max((ts[t]["ttft_s"] or 0 for ts in agents if len(ts) > t), default=None)}
+                "ttft_max_s": max((ts[t]["ttft_s"] for ts in agents if len(ts) > t and ts[t]["ttft_s"] is not None),
+                                  default=None)}
                for t in range(a.turns)]
     tokens = sum(t["completion_tokens"] for ts in agents for t in ts if t["ok"])
     return {"chars_per_token": per_token, "system_tokens_asked": a.system_tokens,
@@ -468,8 +497,10 @@ def agent(a, client, model: str, server: Server) -> dict:
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file of the repository.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
-SCHEMA = {"type": "object", "properties": {"language": {"type": "string"}, "lines": {"type": "integer"}},
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 40}},
+                   "required": ["path"]}}}]
+SCHEMA = {"type": "object",
+          "properties": {"language": {"type": "string", "maxLength": 12}, "lines": {"type": "integer"}},
           "required": ["language", "lines"], "additionalProperties": False}
 LOAD_KINDS = ("stream", "plain", "tools", "json_schema", "cancel")
 
@@ -505,9 +536,9 @@ def load(a, client, model: str, server: Server) -> dict:
         n = c * a.requests + i
         kind = LOAD_KINDS[n % len(LOAD_KINDS)]
         body = {"model": model, "max_tokens": a.max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": prompts[n % len(prompts)]["prompt"]}]}
-        if kind not in ("tools", "json_schema"):  # a structured answer ends where its grammar does
-            body.update(a.extra_body)
+                "messages": [{"role": "user", "content": prompts[n % len(prompts)]["prompt"]}],
+                # a structured answer ends where its grammar does: no ignore_eos
+                **extra(a, chat=True, ignore_eos=kind not in ("tools", "json_schema"))}
         if kind == "tools":
             body.update(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
         if kind == "json_schema":
@@ -531,13 +562,17 @@ def load(a, client, model: str, server: Server) -> dict:
         outcomes[key] = outcomes.get(key, 0) + 1
     complete = [row for row in rows if row["outcome"] in ("ok", "cut")]
     after = request(client, "chat", stream=False, model=model, max_tokens=8, temperature=0,
-                    messages=[{"role": "user", "content": "def main():"}])
+                    messages=[{"role": "user", "content": "def main():"}], **extra(a, chat=True, ignore_eos=False))
     healthy = server.healthy()
     at, last = rss.get(a.rss_at), rss["last"]
     ratio = last / at if at and last else None
     sent = a.clients * a.requests
     return {"sent": sent, "ended": len(rows), "lost": sent - len(rows), "outcomes": outcomes,
             "by_kind": {k: sum(row["kind"] == k for row in rows) for k in LOAD_KINDS},
+            # what the structured kinds gave back, cut ones included: a call / JSON that parses whole
+            "tools_with_a_call": sum(row["kind"] == "tools" and bool(row["tool_calls"]) for row in rows),
+            "json_schema_parsed": sum(row["kind"] == "json_schema" and well_formed("json_schema", Result(
+                text=row["text"], finish="stop")) == "ok" for row in rows),
             "wall_s": wall, "completion_tokens": sum(row["completion_tokens"] for row in complete),
             "tokens_per_s": sum(row["completion_tokens"] for row in complete) / wall,
             "latency_p50_s": pct([row["latency"] for row in complete], .5),
@@ -617,7 +652,9 @@ def print_summary(scenario: str, out: dict) -> None:
                                                   if n > 1 else "") + (f"  {t['error']}" if t["error"] else ""))
     else:
         rss = r["rss_mib"]
-        print(f"sent {r['sent']}, ended {r['ended']}, lost {r['lost']}; outcomes {r['outcomes']}")
+        print(f"sent {r['sent']}, ended {r['ended']}, lost {r['lost']}; outcomes {r['outcomes']}; tools answered "
+              f"with a call {r['tools_with_a_call']}/{r['by_kind']['tools']}, json_schema content that parses "
+              f"{r['json_schema_parsed']}/{r['by_kind']['json_schema']}")
         print(f"latency p50 {fmt(r['latency_p50_s'])} s, p95 {fmt(r['latency_p95_s'])} s; ttft p50 "
               f"{fmt(r['ttft_p50_s'])} s, p95 {fmt(r['ttft_p95_s'])} s; {r['tokens_per_s']:.1f} tokens/s")
         print(f"RSS MiB: {', '.join(f'{k}: {v:.1f}' for k, v in rss.items() if v is not None)}; last / "
@@ -654,6 +691,9 @@ def main(argv=None) -> int:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let answers stop at end-of-sequence (default: ignore_eos, so every answer is max-tokens long)")
+    g.add_argument("--template-kwargs",
+                   help='chat_template_kwargs of the chat requests, JSON: \'{"enable_thinking": false}\' for a '
+                        "template that opens a think block before every reply")
     g.add_argument("--clients", type=int, default=None, help="concurrent clients (concurrent: 4, load: 16)")
     g.add_argument("--requests", type=int, default=None, help="requests per client (concurrent: 2, load: 50)")
     g.add_argument("--no-bracket", dest="bracket", action="store_false",
@@ -675,7 +715,7 @@ def main(argv=None) -> int:
     defaults = {"concurrent": (4, 2), "load": (16, 50), "agent": (1, 1)}[a.scenario]
     a.clients = a.clients or defaults[0]
     a.requests = a.requests or defaults[1]
-    a.extra_body = {"extra_body": {"ignore_eos": True}} if a.ignore_eos else {}
+    a.template_kwargs = json.loads(a.template_kwargs) if a.template_kwargs else None
     if not a.attach and not (a.target if a.server == "snapspec" else a.gguf):
         p.error("--server snapspec needs --target; --server llama needs --gguf (or --attach URL)")
 
