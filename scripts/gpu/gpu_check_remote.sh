@@ -56,7 +56,7 @@ PY
   } 2>&1 | tee $out/env.txt
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
   cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
-  for a in qwen3_5; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
+  for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
   [ -n "${DIAG_ONLY:-}" ] && exit
   python3 - <<'PY' 2>&1 | tail -3
 import shutil, torch, os

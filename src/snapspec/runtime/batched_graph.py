@@ -10,8 +10,11 @@ the rewrite changes only how state goes in and out, and that one op:
 - GroupQueryAttention runs one sequence per node. onnxruntime's refuses several sequences in a call of several rows
   after a past ("batch_size must be 1 when sequence_length > 1 and past context is given"), and the spare KV row
   makes every call after the prefill such a call. Each row's node reads and writes that sequence's KV buffers in
-  place (past and present bound to one buffer, as alone), with its own seqlens_k and a total length of seqlens_k + 1,
-  which is what the sequence alone gives it (its attention_mask row sums to its own past + T).
+  place (past and present bound to one buffer, as alone), with its own seqlens_k and total_sequence_length as graph
+  inputs (`seqlens_k.row<b>`, `total_sequence_length.row<b>`) that the runner computes as the graph computes them
+  for that sequence alone (its own mask width, and the spare row where its buffer has a free one). The total comes
+  from the host, as the exported graph's does (from shapes): computed on the device from the mask, CUDA's kernel
+  read it before it was written (scripts/gpu/batch_diag.py: KV rows misplaced, logits off by 1.5).
 - Any other op that reads a state tensor reads the B rows joined along the batch axis (a Concat: the recurrent and
   conv state, a few hundred KB a sequence), and a state it writes is split back to the rows (a Split). A `Shape` of
   a KV input that only feeds a Gather of a later axis (the spare row's buffer length) reads row 0 instead: every
@@ -27,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 ROW = ".row"  # the suffix of a sequence's own state input and output names: past_key_values.1.key.row0
+SEQLENS, TOTAL = "seqlens_k", "total_sequence_length"  # per-row attention inputs: seqlens_k.row0, ...
 
 
 def row_name(name: str, b: int) -> str:
@@ -36,12 +40,12 @@ def row_name(name: str, b: int) -> str:
 def batched(model, n: int, state: list[dict], per_row_outputs=()):
     """Rewrite `model` (an onnx ModelProto of a forward graph) in place for n sequences (module doc) and return it.
     state: the manifest's state table; per_row_outputs: other outputs split to one per row (the rollback data)."""
-    from onnx import helper, numpy_helper
+    from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
-    ones, one = "/batched/ones", "/batched/one"
-    g.initializer.extend([numpy_helper.from_array(np.ones(n, np.int64), ones),
-                          numpy_helper.from_array(np.array([1], np.int32), one)])
+    ones = "/batched/ones"
+    g.initializer.append(numpy_helper.from_array(np.ones(n, np.int64), ones))
+    attention_rows = False
     inputs = {s["name"] for s in state}
     outputs = {o for s in state for o in [s["output"], *s.get("aliases", ())]} | set(per_row_outputs)
     consumers: dict[str, list] = {}
@@ -81,8 +85,8 @@ def batched(model, n: int, state: list[dict], per_row_outputs=()):
         if len(node.input) != 7:
             raise ValueError(f"{node.name}: a GroupQueryAttention with inputs past total_sequence_length cannot run "
                              "one sequence per node")
-        rows: dict[int, list[str]] = {}
-        for i, x in enumerate(node.input[:6]):  # q, k, v, past key, past value, seqlens_k
+        rows: dict[int, list[str]] = {5: [row_name(SEQLENS, b) for b in range(n)]}  # the runner's, per row
+        for i, x in enumerate(node.input[:5]):  # q, k, v, past key, past value
             if not x:
                 continue
             if x in inputs:
@@ -97,9 +101,9 @@ def batched(model, n: int, state: list[dict], per_row_outputs=()):
                 written.add(y)
             else:
                 outs.append([f"{node.name}/rows/out{j}/{b}" if y else "" for b in range(n)])
+        attention_rows = True
         for b in range(n):
-            total = f"{node.name}/rows/total/{b}"
-            nodes.append(helper.make_node("Add", [rows[5][b], one], [total], name=f"{node.name}/total_{b}"))
+            total = row_name(TOTAL, b)
             row = helper.make_node("GroupQueryAttention", [rows[i][b] if i in rows else "" for i in range(6)] + [total],
                                    [o[b] for o in outs], domain=node.domain, name=f"{node.name}/row_{b}")
             row.attribute.extend(node.attribute)
@@ -112,6 +116,9 @@ def batched(model, n: int, state: list[dict], per_row_outputs=()):
                                       name=f"{y}/split_rows"))
     del g.node[:]
     g.node.extend(nodes)
+    if attention_rows:  # each row's seqlens_k [1] and total_sequence_length (a scalar), given by the runner
+        g.input.extend(helper.make_tensor_value_info(row_name(name, b), TensorProto.INT32, dims)
+                       for name, dims in ((SEQLENS, [1]), (TOTAL, [])) for b in range(n))
 
     def per_row(values, names: set[str]) -> None:
         kept = [v for v in values if v.name not in names]

@@ -210,10 +210,6 @@ class Scheduler:
 def batchable(model) -> str | None:
     """Why this loaded model cannot run several sequences in one forward, or None."""
     m = model.manifest
-    if model.device != "cpu":
-        return (f"on {model.ep} the graph for several sequences computes wrong rows, even for one sequence "
-                "(scripts/gpu/batch_diag.py: benchmarks/results/cuda-h200/batch-diag-2026-12-04.txt); batching runs "
-                "on CPU, where every row is exact. Serve it with --parallel 1")
     if model.state_window is not None:
         return "it runs the state-window graph (load it with the replay rollback: the forward graph)"
     if model.graph_tokens:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..batched_graph import ROW, row_name
+from ..batched_graph import ROW, SEQLENS, TOTAL, row_name
 from .io import GraphIO
 
 
@@ -52,6 +52,7 @@ class BatchedRunner:
         packed = model.manifest.rollback_data
         self.packed = packed["name"] if packed else None
         self.extra = [o for o in self.io.outputs if o not in ("logits", "next_tokens") and ROW not in o]
+        self.attention = row_name(TOTAL, 0) in {i.name for i in session.get_inputs()}
 
     def forward(self, calls: list[Call]) -> list[Result]:
         n, t_max = len(calls), max(len(c.ids) for c in calls)
@@ -75,6 +76,11 @@ class BatchedRunner:
         keep = np.array(kept, dtype=np.int64)
         if self.io.keeps_rows:
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], keep.ctypes.data)
+        if self.attention:
+            lengths = attention_lengths(calls, t_max)
+            for r, (seqlens, total) in enumerate(lengths):
+                b.bind_cpu_input(row_name(SEQLENS, r), seqlens)
+                b.bind_cpu_input(row_name(TOTAL, r), total)
         order: list[str] = []
         for r, c in enumerate(calls):
             for store, key in zip(c.ctx.stores, c.keys):
@@ -108,3 +114,15 @@ class BatchedRunner:
                 best[r, rows].copy(), logits[r, rows].copy() if c.logits else None,
                 states[r, :t].copy() if states is not None and c.ctx.hidden else None))
         return results
+
+
+def attention_lengths(calls: list[Call], t: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each sequence's GroupQueryAttention lengths for a call of t rows, as the exported graph computes them for it
+    alone (export/blocks: seqlens_k = its mask width - 1, total = the width, each + 1 for the spare row when its KV
+    buffer has a row free past the call): ([1] int32, scalar int32) per call."""
+    out = []
+    for c in calls:
+        width = c.start + t
+        spare = 1 if (c.ctx.kv_rows or 0) > width else 0
+        out.append((np.array([width - 1 + spare], dtype=np.int32), np.array(width + spare, dtype=np.int32)))
+    return out
