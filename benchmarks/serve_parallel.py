@@ -53,13 +53,33 @@ Servers:
   reasoning_content, and applies no tool or json_schema grammar).
 
 llama-server was built from ../shared/peers/llama.cpp/src (b11312 + the seed fix) on CPU. The vendored tree has an
-empty tools/ui, so the web UI was stubbed first: tools/ui/CMakeLists.txt making a `llama-ui` library of no assets
-(ui.h declares `struct llama_ui_asset {name, data, size, type, etag}`, `llama_ui_get_assets()` returns an empty
-vector, `llama_ui_find_asset()` nullptr, `llama_ui_use_gzip()` false) and an empty `llama-ui-assets` target. Then:
+empty tools/ui, which the server links against (`llama-ui`, `llama-ui-assets`), so a stub with no assets comes first:
 
     mkdir -p /tmp/llama-build/src
     tar xJf ../shared/peers/llama.cpp/src/llama.cpp-b11312-seedfix.tar.xz -C /tmp/llama-build/src --strip-components=1
-    # (write the ui stub into /tmp/llama-build/src/tools/ui/)
+    cd /tmp/llama-build/src/tools/ui
+    cat > ui.h <<'EOF'
+    #pragma once
+    #include <cstddef>
+    #include <string>
+    #include <vector>
+    struct llama_ui_asset { std::string name; const unsigned char * data; size_t size; std::string type, etag; };
+    const std::vector<llama_ui_asset> & llama_ui_get_assets();
+    const llama_ui_asset * llama_ui_find_asset(const std::string & name);
+    bool llama_ui_use_gzip();
+    EOF
+    cat > ui.cpp <<'EOF'
+    #include "ui.h"
+    const std::vector<llama_ui_asset> & llama_ui_get_assets() { static const std::vector<llama_ui_asset> n; return n; }
+    const llama_ui_asset * llama_ui_find_asset(const std::string &) { return nullptr; }
+    bool llama_ui_use_gzip() { return false; }
+    EOF
+    cat > CMakeLists.txt <<'EOF'
+    add_library(llama-ui STATIC ui.cpp)
+    set_target_properties(llama-ui PROPERTIES POSITION_INDEPENDENT_CODE ON)
+    target_include_directories(llama-ui PUBLIC ${CMAKE_CURRENT_SOURCE_DIR})
+    add_custom_target(llama-ui-assets)
+    EOF
     cd /tmp/llama-build
     nice -n 19 cmake -S src -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DGGML_OPENMP=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
