@@ -4,10 +4,11 @@ dynamic block base, for one or more exports (say, the same checkpoint exported b
 measured one), and the rounds interleave them, so that every round compares settings under the same load.
 
     python benchmarks/cpu_thread_pool.py T [T2 ...] --settings t1,t2-spin,t2-nospin --rounds 5 \
-        --json benchmarks/results/cpu/thread-pool/<name>.json
+        [--gguf Q4_0.gguf --llama LLAMA_BIN] --json benchmarks/results/cpu/thread-pool/<name>.json
 
 A step is `Context.forward` of one token at a fixed depth (cpu_step_profile.Step), the graph as the runtime runs it
-on this CPU (int4: rows paired where its probe says so).
+on this CPU (int4: rows paired where its probe says so). With --gguf and --llama, each round also runs llama-bench
+on the GGUF at 1 and 2 threads (cpu_step_profile.llama_ms: -n STEPS at most 128, -d DEPTH, --poll 50).
 """
 
 from __future__ import annotations
@@ -58,29 +59,37 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--depth", type=int, default=64)
+    ap.add_argument("--gguf", type=Path, help="the same checkpoint for llama.cpp (Q4_0 beside an int4 export)")
+    ap.add_argument("--llama", type=Path, help="folder of llama.cpp's binaries (llama-bench)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.targets[0], a.child, a.steps, a.depth)))
         return 0
-    from cpu_step_profile import emit, machine
+    from cpu_step_profile import emit, llama_ms, machine
 
     settings = a.settings.split(",")
     rows = []
     for r in range(a.rounds):
-        for target in a.targets:
-            for s in settings:
-                load = os.getloadavg()[0]
-                out = subprocess.run([sys.executable, __file__, str(target), "--child", s, "--steps", str(a.steps),
-                                      "--depth", str(a.depth)], capture_output=True, text=True, check=True)
-                row = {"round": r, "target": str(target), "setting": s, "load": load,
-                       **json.loads(out.stdout.strip().splitlines()[-1])}
-                rows.append(row)
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        order = [(t, s) for t in a.targets for s in settings]
+        for target, s in order if r % 2 == 0 else order[::-1]:  # odd rounds in reverse: no setting always runs first
+            load = os.getloadavg()[0]
+            out = subprocess.run([sys.executable, __file__, str(target), "--child", s, "--steps", str(a.steps),
+                                  "--depth", str(a.depth)], capture_output=True, text=True, check=True)
+            row = {"round": r, "target": str(target), "setting": s, "load": load,
+                   **json.loads(out.stdout.strip().splitlines()[-1])}
+            rows.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        for t in (1, 2) if a.gguf and a.llama else ():
+            load = os.getloadavg()[0]
+            wall, cpu = llama_ms(a.llama, a.gguf, min(a.steps, 128), a.depth, t, 50)
+            rows.append({"round": r, "target": str(a.gguf), "setting": f"llama.cpp t{t}", "load": load, "ms": wall,
+                         "cpu_ms": cpu})
+            print(json.dumps(rows[-1]), flush=True)
     summary = []
-    for target in a.targets:
-        for s in settings:
+    for target in a.targets + ([a.gguf] if a.gguf and a.llama else []):
+        for s in settings if target in a.targets else ["llama.cpp t1", "llama.cpp t2"]:
             mine = [x for x in rows if x["target"] == str(target) and x["setting"] == s]
             summary.append({"target": str(target), "setting": s, "ms": statistics.median(x["ms"] for x in mine),
                             "cpu_ms": statistics.median(x["cpu_ms"] for x in mine),

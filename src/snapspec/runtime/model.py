@@ -99,7 +99,7 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     session: one copy for both on CUDA; on CPU it costs memory (runtime/head.py, docs/benchmarks/mtp.md).
 
     spin: let the forward session's threads spin between runs, which suits back-to-back target steps; "auto" (the
-    default) spins unless the machine is already oversubscribed (spinning_pays). Load a
+    default) spins only where the machine has an idle core for each of its threads (spinning_pays). Load a
     drafter with spin=False: every session owns a thread pool, and an idle pool that spins steals the cores the
     running one needs (pair-a on 2 cores: speculation ran at 0.75x of plain with every pool spinning, 1.5x with only
     the target's). Replay sessions never spin.
@@ -176,17 +176,20 @@ def open_like(model: Model, graph: bytes, path: Path, weights: dict | None = Non
 
 
 def spinning_pays(threads: int | None) -> bool:
-    """Whether a session's intra-op threads should spin between runs: yes, unless the 1-minute load average already
-    exceeds the cores plus the threads this session adds. A spinning worker on an oversubscribed machine burns the
-    time slices the main thread and the other sessions need: pair-a's target on 2 threads at load average 9-10 on 2
-    cores stepped in 70-75 ms spinning, 38 ms not (docs/benchmarks/cpu-step.md); on an idle machine spinning saves
-    the wake-up of every parallel kernel. Decided once, when the session is made."""
+    """Whether a session's intra-op threads should spin between runs: only where the 1-minute load average leaves an
+    idle core for each thread this session adds (load < cores - threads + 1). On an idle machine spinning saves the
+    wake-up of every parallel kernel; where another process holds one of the cores a spinning worker needs, the
+    worker burns the time slices the main thread needs (pair-a fp32 on 2 threads at load average 9-10 on 2 cores:
+    70-75 ms a step spinning, 38 ms not). pair-a int4 on two pinned cores of an Intel Xeon, 2 threads:
+    idle, 2.71 ms a step spinning against 3.07 not; with one core busy, 8.32 ms spinning against 4.36 not (and
+    2.78 on one thread); the old rule (load < cores + threads) spun there (docs/benchmarks/cpu-step.md). Decided once,
+    when the session is made."""
     cores = os.cpu_count() or 1
     try:
         load = os.getloadavg()[0]
     except (OSError, AttributeError):  # Windows has no load average
         return True
-    return load < cores + (threads or cores)
+    return load < cores - (threads or cores) + 1
 
 
 def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
