@@ -14,6 +14,7 @@ blocks/attention.py: what that already saves). Sessions do not spin (two live se
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=400)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    rows = []
+    rows, load = [], [os.getloadavg()[0]]
     for name, (k, sizes) in SHAPES.items():
         graphs = {kind: build(k, sizes, a.block, kind == "merged") for kind in ("separate", "merged")}
         x = {"x": np.random.default_rng(1).standard_normal((1, 1, k)).astype(np.float32)}
@@ -84,19 +85,21 @@ def main(argv=None) -> int:
                                                    providers=["CPUExecutionProvider"])
                         for kind, graph in graphs.items()}
             us = {kind: [] for kind in sessions}
-            for _ in range(a.rounds):
-                for kind, s in sessions.items():
-                    us[kind].append(time_call(s, x, a.calls))
+            for r in range(a.rounds):
+                for kind in ("separate", "merged") if r % 2 == 0 else ("merged", "separate"):
+                    us[kind].append(time_call(sessions[kind], x, a.calls))
             row = {"shape": name, "K": k, "N": sizes, "threads": t,
                    **{f"{kind}_us": statistics.median(v) for kind, v in us.items()}, "rounds": us}
             row["saved_us"] = row["separate_us"] - row["merged_us"]
             rows.append(row)
             print(f"{name} t{t}: separate {row['separate_us']:.1f} us, merged {row['merged_us']:.1f} us", flush=True)
-    out = {"block": a.block, "calls": a.calls, "command": " ".join(sys.argv), "machine": machine(),
+    load.append(os.getloadavg()[0])
+    out = {"block": a.block, "calls": a.calls, "command": " ".join(sys.argv), "machine": machine(), "load": load,
            "paired": exactness.strategy(a.block, 4) == "paired", "rows": rows}
     lines = ["| shape | K | N | threads | separate us | merged + Split us | saved |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['shape']} | {r['K']} | {' + '.join(map(str, r['N']))} | {r['threads']} | {r['separate_us']:.1f} | "
               f"{r['merged_us']:.1f} | {r['saved_us']:.1f} us ({r['saved_us'] / r['separate_us']:.0%}) |" for r in rows]
+    lines.append(f"load average {load[0]:.1f} before, {load[1]:.1f} after")
     emit(out, "\n".join(lines), a.json)
     return 0
 
