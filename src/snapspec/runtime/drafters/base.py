@@ -32,6 +32,8 @@ from typing import Callable
 
 import numpy as np
 
+from snapspec import SnapspecError
+
 from ..adaptive import Costs, DraftLengthChooser
 from ..sampling import SamplingParams, check_finite, pick
 from ..stats import Stats
@@ -93,6 +95,13 @@ class Drafter(ABC):
         """The target kept the first j tokens of the last draft (j = 0 and no draft: a plain target step); verify is
         the target's Rows of that forward. Returns the rollback mode used (for the stats), or None when there was
         nothing to undo."""
+
+    def spawn(self) -> "Drafter":
+        """A new drafter of this kind and settings with no state of its own: one per sequence when several decode
+        at once (serve --parallel builds one per slot from the one the command line made). A Drafter that cannot
+        make one refuses."""
+        raise SnapspecError(f"{type(self).__name__} cannot make a drafter per sequence: serve it with --parallel 1, or "
+                            "give each sequence its own")
 
     @property
     def wants_logits(self) -> bool:

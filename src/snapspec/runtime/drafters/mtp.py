@@ -66,6 +66,12 @@ class MtpDrafter(Drafter):
         self._warned = False
         self.extras = Extras(hidden=True, costs=self.measure_costs, snapshots=self)
 
+    def spawn(self) -> MtpDrafter:
+        """Another drafter on the same target's head, with a head (KV, hidden rows) of its own."""
+        if self.target is None:
+            return super().spawn()
+        return MtpDrafter(self.target, threads=self.threads, chain=self.chain)
+
     def size(self, length: int) -> None:
         """The generation's context length: the head's KV holds as many positions (made, or grown, here)."""
         if self.head is None or self.head.max_len < length:

@@ -127,6 +127,9 @@ class NgramDrafter(Drafter):
         self._chooser: LookupChooser | None = None  # fed by the lookups (hit rate, skipped drafts' first tokens)
         self.extras = Extras(costs=self.measure_costs, chooser=self.chooser, ready=self.has_draft)
 
+    def spawn(self) -> NgramDrafter:
+        return NgramDrafter(self.vocab_size, self.index.n_min, self.index.n_max)
+
     def start(self, prompt, *, sampling, rng, stats, prefill=None, constraint=None, length=None) -> None:
         super().start(prompt, sampling=sampling, rng=rng, stats=stats, constraint=constraint)
         self._shadow = None
