@@ -48,12 +48,14 @@ def _calls(name: str) -> list[str]:
 
 def test_contexts_are_built_in_one_place():
     """Only the rollback policy (runtime/policy.py) constructs a Context; everything else asks it (Policy.open),
-    and the Pair is the only runtime code that pairs a target context with a drafter's."""
+    and the Pair is the only runtime code that pairs a target context with a drafter's: a Generator's own, a
+    PromptCache's, and a Batch's slots (one Pair each)."""
     builders = _calls("Context")
     assert builders and all(b.startswith("runtime/policy.py:") for b in builders), builders
     assert not _calls("open_context")
     pairs = [c for c in _calls("Pair") if c.startswith("runtime/")]
-    assert pairs and all(c.startswith(("runtime/generation.py:", "runtime/chat.py:")) for c in pairs), pairs
+    assert pairs and all(c.startswith(("runtime/generation.py:", "runtime/chat.py:", "runtime/batch.py:"))
+                         for c in pairs), pairs
 
 
 def test_no_getattr_on_a_drafter():
@@ -68,9 +70,20 @@ def test_no_getattr_on_a_drafter():
 
 
 def test_drafter_specs_resolve_in_one_place():
-    """The words "ngram" and "mtp" become drafters in pair.make_drafter only."""
-    builders = [c for name in ("NgramDrafter", "MtpDrafter") for c in _calls(name)]
-    assert builders and all(b.startswith("runtime/pair.py:") for b in builders), builders
+    """The words "ngram" and "mtp" become drafters in pair.make_drafter only; a drafter makes another of its own kind
+    only in its spawn() (one per slot of serve --parallel)."""
+    own = {"NgramDrafter": "runtime/drafters/ngram.py:", "MtpDrafter": "runtime/drafters/mtp.py:"}
+    builders = [(name, c) for name in own for c in _calls(name)]
+    assert builders and all(c.startswith("runtime/pair.py:") or (c.startswith(own[name]) and _in_spawn(c))
+                            for name, c in builders), builders
+
+
+def _in_spawn(where: str) -> bool:
+    """Whether file:line lies inside a method named spawn."""
+    path, line = where.rsplit(":", 1)
+    tree = ast.parse((PACKAGE / path).read_text())
+    return any(isinstance(f, ast.FunctionDef) and f.name == "spawn" and f.lineno <= int(line) <= f.end_lineno
+               for f in ast.walk(tree))
 
 
 def test_one_rollback_vocabulary():
