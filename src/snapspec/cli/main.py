@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "what fp32 does); see README")
     p.add_argument("--quant", choices=["none", "int4"], default="none", help="int4: MatMulNBits weights (default none)")
     p.add_argument("--block-size", type=int, choices=[16, 32, 64, 128], default=None,
-                   help="int4 block size (default 16 for fp32: exact at accuracy level 4 on AVX2 and AVX-512; 32 for "
-                        "fp16)")
+                   help="int4 block size (default 32: exact on every CPU measured, with one-row calls paired at load "
+                        "where a CPU needs it: docs/exactness.md)")
     p.add_argument("--int4-accuracy", type=int, choices=[1, 4], default=None,
                    help="MatMulNBits accuracy level: 4 = int8 activations (default for fp32: fastest on CPU), 1 = "
                         "float32 math (default for fp16 and for models with sliding-window attention; what "
