@@ -202,13 +202,25 @@ def test_random_arrivals_cancellations_and_sources(loaded, data):
 
 
 def test_refusals(loaded, tiny_export):
-    """A Drafter object (shared by every slot) and parallel < 1 are one-line errors; a context of another model
-    cannot join a scheduler."""
-    from snapspec.runtime import NgramDrafter
+    """A Drafter object serves the first slot and spawns one per other slot (a Drafter that cannot spawn is a
+    one-line error); parallel < 1 is one too; a context of another model cannot join a scheduler."""
+    from snapspec.runtime import Draft, Drafter, NgramDrafter
+
+    class Fixed(Drafter):  # no spawn()
+        def propose(self, seq, k):
+            return Draft([])
+
+        def accepted(self, j, verify):
+            return None
 
     t, other = loaded("qwen3_5"), loaded("lfm2")
-    with pytest.raises(SnapspecError, match="one draft source per slot"):
-        Batch(t, NgramDrafter(t.vocab_size), parallel=2, context=CONTEXT)
+    ngram = NgramDrafter(t.vocab_size, 2, 3)
+    with Batch(t, ngram, parallel=2, context=CONTEXT, warm=False) as b:
+        first, second = (p.drafter for p in b.pairs)
+        assert first is ngram and isinstance(second, NgramDrafter) and second is not ngram
+        assert (second.index.n_min, second.index.n_max) == (2, 3)
+    with pytest.raises(SnapspecError, match="cannot make a drafter per sequence"):
+        Batch(t, Fixed(), parallel=2, context=CONTEXT)
     with pytest.raises(SnapspecError, match="parallel must be >= 1"):
         Batch(t, parallel=0, context=CONTEXT)
     s = Scheduler(t)

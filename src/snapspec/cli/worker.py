@@ -70,11 +70,8 @@ class Worker(lifecycle.Admission):
             raise SnapspecError(f"--parallel {parallel}: {target.folder.name} cannot run requests together: {why}")
         self.parallel = int(parallel)
         self.prefix = PrefixCache(cache_ram) if cache_ram else None  # shared by every PromptCache of this model
-        from snapspec.runtime.drafters import Drafter
-        # each slot its own draft source: a drafter model gets a context per slot (Pair); a Drafter made by the
-        # command line (n-gram, the MTP head) spawns one per slot, whose state follows that slot's sequence
-        sources = [drafter if i == 0 or not isinstance(drafter, Drafter) else drafter.spawn()
-                   for i in range(self.parallel)]
+        from snapspec.runtime.pair import slot_drafters
+        sources = slot_drafters(target, drafter, self.parallel)  # each slot its own draft source
         self.slots = [PromptCache(target, source, context, rollback=defaults.get("rollback") or "auto", plain=raw,
                                   prefix_cache=self.prefix) for source in sources]
         self.cache = self.slots[0]  # the front door, the context length and the drafter's label: every slot's

@@ -28,10 +28,9 @@ from typing import Iterator
 
 from snapspec import SnapspecError
 
-from .drafters import Drafter
 from .generation import Generator, final_text, prompt_of
 from .model import Model
-from .pair import Pair, check_context, make_drafter
+from .pair import Pair, check_context, slot_drafters
 from .policy import window_of
 from .scheduler import Scheduler
 from .stats import Stats
@@ -86,28 +85,25 @@ class Batch:
     def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
                  window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True,
                  scheduler: Scheduler | None = None):
-        """drafter: what pair.make_drafter takes, by name, folder or Model (each slot makes its own draft source
-        from it: a Drafter object would be shared by all slots, and is refused); parallel: sequences at once;
-        context: tokens each slot holds (default: the exports' max_context); warm: make the graphs for 2..parallel
-        sequences now rather than at the first step that needs each; scheduler: another Batch's (its `scheduler`),
-        to run this Batch's sequences in the same forwards as that one's (two draft sources in one batch)."""
+        """drafter: what pair.make_drafter takes (each slot gets its own draft source: pair.slot_drafters);
+        parallel: sequences at once; context: tokens each slot holds (default: the exports' max_context); warm: make
+        the graphs for 2..parallel sequences now rather than at the first step that needs each; scheduler: another
+        Batch's (its `scheduler`), to run this Batch's sequences in the same forwards as that one's (two draft
+        sources in one batch)."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
-        if isinstance(drafter, Drafter):
-            raise SnapspecError("a Batch makes one draft source per slot: give the drafter by name (\"ngram\", "
-                                "\"mtp\"), folder or loaded Model, not a Drafter object")
         self.target = target
-        self.drafter = make_drafter(target, drafter)  # a folder is loaded once, here
         self.parallel = int(parallel)
+        sources = slot_drafters(target, drafter, self.parallel)
+        self.drafter = sources[0]
         self.scheduler = scheduler or Scheduler(target, patience=patience)
         self._owns_scheduler = scheduler is None
         length = check_context(target, self.drafter, context)
         w = window_of(target, window)
         self.pairs = []
         self._free: queue.Queue = queue.Queue()
-        for _ in range(self.parallel):
-            spec = self.drafter if isinstance(self.drafter, Model) or self.drafter is None else drafter
-            pair = Pair(target, spec, length=length, window=w, rollback=rollback)
+        for source in sources:
+            pair = Pair(target, source, length=length, window=w, rollback=rollback)
             self.scheduler.attach(pair.tctx)
             self.pairs.append(pair)
             self._free.put(pair)

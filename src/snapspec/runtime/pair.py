@@ -62,6 +62,17 @@ def make_drafter(target: Model, spec, *, ngram: tuple[int, int] | None = None, t
     return spec
 
 
+def slot_drafters(target: Model, spec, n: int, **options) -> list:
+    """n draft sources for n sequences decoding at once (a Batch's slots, serve --parallel): `spec` resolved once
+    (make_drafter: a folder is loaded once); a drafter Model serves every slot (each Pair gives it a context of its
+    own); a Drafter keeps state that follows one sequence, so every slot after the first gets its spawn() (one that
+    cannot spawn refuses, in one line)."""
+    drafter = make_drafter(target, spec, **options)
+    if not isinstance(drafter, Drafter):
+        return [drafter] * n
+    return [drafter] + [drafter.spawn() for _ in range(n - 1)]
+
+
 def check_context(target: Model, drafter, context: int | None) -> int:
     """The context length to allocate when the caller asks for `context`: as asked, or the exports' max_context when
     None; more than the exports hold is an error that names the export flag that sets it."""
