@@ -241,6 +241,7 @@ def batched_session(model, n: int, weights: dict | None = None):
 
     from . import exactness
     from .model import open_like
+    from .policy import window_of
 
     m = model.manifest
     path = m.graph_path("forward")
@@ -250,7 +251,9 @@ def batched_session(model, n: int, weights: dict | None = None):
         source, _ = exactness.load_graph(path, ort.SessionOptions(), model.threads)
         graph = onnx.load(str(path), load_external_data=False)
         kinds = exactness.graph_kinds(graph)
-        if isinstance(source, bytes) and not all(exactness.several_rows_bitwise(b, lv, model.threads)
+        # the probe covers the most rows a call of n sequences makes here: n verifies of W + 1 rows
+        rows = max(exactness.PROBE_ROWS, n * (window_of(model) + 1))
+        if isinstance(source, bytes) and not all(exactness.several_rows_bitwise(b, lv, model.threads, rows)
                                                  for b, lv in kinds):
             graph = onnx.load_from_string(source)  # rows stay paired (or at level 1), as alone
     else:
