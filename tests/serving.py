@@ -89,3 +89,18 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def openai_client(server, timeout: float = 120):
+    """The official openai client on a server from `serving`, no retries."""
+    import openai
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="unused", max_retries=0,
+                         timeout=timeout)
+
+
+def metrics(server) -> dict:
+    """GET /metrics as {sample name: value} (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    status, _, body = request(server["port"], "GET", "/metrics")
+    assert status == 200
+    return {s.name: s.value for family in text_string_to_metric_families(body.decode()) for s in family.samples}

@@ -8,11 +8,9 @@ from __future__ import annotations
 import subprocess
 import threading
 
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from serving import SNAPSPEC, request, serving
+from serving import SNAPSPEC, metrics, openai_client, request, serving
 
 FLAGS = ("--threads", "1", "--max-new-tokens", "12", "--cache-ram", "0")
 
@@ -21,16 +19,6 @@ FLAGS = ("--threads", "1", "--max-new-tokens", "12", "--cache-ram", "0")
 def target(chat_export):
     return chat_export("qwen3_5_text", "lfm2")
 
-
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
-def _metrics(server) -> dict:
-    status, _, body = request(server["port"], "GET", "/metrics")
-    assert status == 200
-    return {s.name: s.value for family in text_string_to_metric_families(body.decode()) for s in family.samples}
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
@@ -44,7 +32,7 @@ def test_concurrent_replies_equal_replies_alone(target, drafter, tmp_path):
         assert "up to 3 requests decoded together" in server["log"].read_text()
         status, _, body = request(server["port"], "GET", "/health")
         assert status == 200 and b'"parallel": 3' in body.replace(b'"parallel":3', b'"parallel": 3')
-        client, replies = _client(server), {}
+        client, replies = openai_client(server), {}
 
         def ask(i: int) -> None:
             if i % 2:  # streamed
@@ -60,7 +48,7 @@ def test_concurrent_replies_equal_replies_alone(target, drafter, tmp_path):
             t.start()
         for t in threads:
             t.join(timeout=120)
-        m = _metrics(server)
+        m = metrics(server)
     for i, messages in enumerate(conversations):
         kw = {"drafter": "ngram", "draft_max": 3} if drafter == "ngram" else {}
         alone = model.decode(generate(model, messages, max_new_tokens=12, **kw).tokens)
@@ -78,7 +66,7 @@ def test_a_cancelled_stream_leaves_the_others_intact(target, tmp_path):
     model = load(target, threads=1)
     keep = [{"role": "user", "content": "stay with me"}]
     with serving(tmp_path / "server.log", target, *FLAGS, "--parallel", "2", "--max-new-tokens", "40") as server:
-        client, out = _client(server), {}
+        client, out = openai_client(server), {}
 
         def long_one() -> None:
             r = client.chat.completions.create(model=server["model"], messages=keep, max_tokens=40)
@@ -119,7 +107,7 @@ def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path):
     prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(3)]
     with serving(tmp_path / "server.log", folder, *FLAGS, "--drafter", "mtp", "--draft-max", "3",
                  "--parallel", "3") as server:
-        client, texts = _client(server), {}
+        client, texts = openai_client(server), {}
 
         def ask(i: int) -> None:
             r = client.completions.create(model=server["model"], prompt=prompts[i], max_tokens=12)

@@ -5,11 +5,9 @@ size is a one-line error. Loopback only; every wait bounded."""
 
 from __future__ import annotations
 
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from serving import request, serving
+from serving import metrics, openai_client, serving
 
 FLAGS = ("--threads", "1", "--draft-max", "3", "--max-new-tokens", "8", "--drafter", "ngram")
 SYSTEM = {"a": "You are a careful assistant who answers in one line. " * 2,
@@ -21,16 +19,6 @@ def target(chat_export):
     return chat_export("qwen3_5_text", "lfm2")
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="unused", max_retries=0,
-                         timeout=60)
-
-
-def _metrics(server) -> dict:
-    status, _, body = request(server["port"], "GET", "/metrics")
-    assert status == 200
-    return {s.name: s.value for family in text_string_to_metric_families(body.decode()) for s in family.samples}
-
 
 def test_two_conversations_resume_from_the_cache(target, tmp_path):
     from snapspec.runtime import generate, load
@@ -41,7 +29,7 @@ def test_two_conversations_resume_from_the_cache(target, tmp_path):
     talks = {name: [{"role": "system", "content": text}] for name, text in SYSTEM.items()}
     with serving(tmp_path / "server.log", target, *FLAGS, "--cache-ram", "64MiB") as server:
         assert "prefix cache 64 MiB" in server["log"].read_text()
-        client, bases = _client(server), {}
+        client, bases = openai_client(server), {}
         for turn in range(2):
             for name, messages in talks.items():
                 messages.append({"role": "user", "content": f"turn {turn} of {name}"})
@@ -61,7 +49,7 @@ def test_two_conversations_resume_from_the_cache(target, tmp_path):
                     assert cached >= bases[name], (name, cached, bases[name])
                 bases[name] = door.chat(messages).base
                 messages.append({"role": "assistant", "content": text})
-        m = _metrics(server)
+        m = metrics(server)
         assert m["snapspec_prefix_cache_hits_total"] >= 2
         assert m["snapspec_prefix_cache_tokens_reused_total"] >= sum(bases.values()) // 2
         assert 0 < m["snapspec_prefix_cache_bytes"] <= m["snapspec_prefix_cache_budget_bytes"] == 64 << 20
@@ -73,14 +61,14 @@ def test_cache_off_still_reports_what_the_context_held(target, tmp_path):
     messages = [{"role": "system", "content": SYSTEM["a"]}, {"role": "user", "content": "hello"}]
     with serving(tmp_path / "server.log", target, *FLAGS, "--cache-ram", "0") as server:
         assert "no prefix cache" in server["log"].read_text()
-        client = _client(server)
+        client = openai_client(server)
         first = client.chat.completions.create(model=server["model"], messages=messages)
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "again"}]
         second = client.chat.completions.create(model=server["model"], messages=messages)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert second.usage.prompt_tokens_details.cached_tokens > len(SYSTEM["a"])  # the slot's context held it
-        assert not any(k.startswith("snapspec_prefix_cache") for k in _metrics(server))
+        assert not any(k.startswith("snapspec_prefix_cache") for k in metrics(server))
 
 
 @pytest.mark.parametrize("size, expected", [("0", 0), ("512", 512), ("2GiB", 2 << 30), ("1.5 GB", 1_500_000_000),
