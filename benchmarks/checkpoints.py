@@ -39,6 +39,16 @@ SHAPES = {
         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_conv_kernel_dim=4, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
         tie_word_embeddings=True, vocab_size=248320, max_position_embeddings=262144)),
+    # Qwen3.5-2B: from its model card's overview (hidden 2,048, 24 layers as 6 x (3 DeltaNet + 1 attention), FFN
+    # 6,144, DeltaNet 16 V / 16 QK heads of 128, attention 8 Q / 2 KV heads of 256, vocabulary 248,320; two model-card
+    # mirrors agree), not from its config.json, which we could not read. tie_word_embeddings is not listed there: True
+    # as in the 0.8B and 4B, and consistent with the published Q4_K_M GGUF (1.28 GB: an untied 509 M-weight output
+    # projection would add ~0.3 GB). The conv kernel (4) and the rope follow the family.
+    "qwen35-2b": ("qwen3_5_text", dict(
+        hidden_size=2048, num_hidden_layers=24, intermediate_size=6144, full_attention_interval=4,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        tie_word_embeddings=True, vocab_size=248320, max_position_embeddings=262144)),
     "qwen35-4b": ("qwen3_5_text", dict(
         hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, full_attention_interval=4,
         linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,

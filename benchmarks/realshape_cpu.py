@@ -12,6 +12,11 @@ ratio is quoted with its spread over those pairs. snapspec's side is this script
 llama-bench (`-r 1`, after its own warm-up run). Exports and GGUF files are made under --work when missing
 (snapspec export; convert.sh + llama-quantize from --llama).
 
+`--prepare-only` makes the exports and GGUF files and stops, so that a later run measures the models one after
+another without a conversion between them; `--drop-intermediate` deletes each bf16 GGUF once its Q4_0 is written.
+Provenance records `lscpu`'s model name and flags, the CPUs this process may run on (taskset) and the load average
+at the start and the end.
+
 `--spec TARGET:DRAFTER` measures the cost model of int4 speculation on those shapes (runtime.adaptive.measure_costs,
 in round order, on a context holding 64 tokens): C(n), the drafter step c and the rollback r, and the speedup
 predicted at the mean tokens per round that pair-a measured (`--pair-a-bench`, a `snapspec bench --json` of the
@@ -29,6 +34,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -147,14 +153,25 @@ def run_child(args: list[str]) -> dict:
 
 
 def run_llama(bench: Path, gguf: Path, threads: int, prompt: int, decode: int) -> dict:
-    cmd = ["/usr/bin/time", "-f", "MAXRSS %M", str(bench), "-m", str(gguf), "-p", str(prompt), "-n", str(decode),
-           "-t", str(threads), "-r", "1", "-o", "json"]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [str(bench), "-m", str(gguf), "-p", str(prompt), "-n", str(decode), "-t", str(threads), "-r", "1",
+           "-o", "json"]
+    if Path("/usr/bin/time").exists():
+        p = subprocess.run(["/usr/bin/time", "-f", "MAXRSS %M", *cmd], capture_output=True, text=True)
+        peak = re.search(r"MAXRSS (\d+)", p.stderr)
+        peak = int(peak.group(1)) / 1024 if peak else float("nan")
+    else:  # no GNU time (the GPU machine's image): the child's own rusage, KiB on Linux
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            child = subprocess.Popen(cmd, stdout=out, stderr=err)
+            _, status, usage = os.wait4(child.pid, 0)
+            child.returncode = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            err.seek(0)
+            p = subprocess.CompletedProcess(cmd, child.returncode, out.read().decode(), err.read().decode())
+        peak = usage.ru_maxrss / 1024
     if p.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
     rows = json.loads(p.stdout)
     tps = rows[-1]["avg_ts"]
-    peak = int(re.search(r"MAXRSS (\d+)", p.stderr).group(1)) / 1024
     return {"tokens_per_s": tps, "peak_rss_mib": peak}
 
 
@@ -183,6 +200,8 @@ def prepare(a, name: str, variant: str) -> tuple[Path, Path]:
         if gguf != source:
             subprocess.run([str(a.llama / "bin" / "llama-quantize"), str(source), str(gguf), "Q4_0"], check=True,
                            capture_output=True)
+            if a.drop_intermediate and source != f32:  # the bf16 GGUF served only Q4_0 (a 4B's is 8 GB)
+                source.unlink()
     return folder, gguf
 
 
@@ -197,8 +216,9 @@ def compare(a, folder: Path, gguf: Path) -> dict:
     result = {}
     phases = [("prefill", n) for n in a.prompts] + [("decode", a.decode)]
     for mode, n in phases:
-        ours, theirs = [], []
+        ours, theirs, load = [], [], []
         for _ in range(a.reps):
+            load.append(os.getloadavg()[0])
             ours.append(run_child(common + ["--mode", mode, "--tokens", str(n)]))
             theirs.append(run_llama(bench, gguf, a.threads, n if mode == "prefill" else 0,
                                     n if mode == "decode" else 0))
@@ -208,7 +228,8 @@ def compare(a, folder: Path, gguf: Path) -> dict:
                        "llama_tps": spread([t["tokens_per_s"] for t in theirs]), "ratio": spread(ratio),
                        "snapspec_peak_rss_mib": spread([o["peak_rss_mib"] for o in ours]),
                        "llama_peak_rss_mib": spread([t["peak_rss_mib"] for t in theirs]),
-                       "snapspec_rss_after_load_mib": spread([o["rss_after_load_mib"] for o in ours])}
+                       "snapspec_rss_after_load_mib": spread([o["rss_after_load_mib"] for o in ours]),
+                       "load_average_1min": load}
         if mode == "prefill":
             result[key]["snapspec_state_mib"] = ours[0]["state_mib"]
         print(f"  {folder.name} {key}: snapspec {result[key]['snapspec_tps']['median']:.1f} t/s, llama.cpp "
@@ -232,11 +253,13 @@ def provenance(a) -> dict:
     import snapspec
 
     git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "?")
-    return {"snapspec": snapspec.__version__, "git": git.stdout.strip(), "onnxruntime": ort.__version__,
-            "cpu": cpu, "cores": os.cpu_count(), "threads": a.threads, "llama.cpp": str(a.llama),
-            "load_average_at_start": os.getloadavg(), "command": " ".join(sys.argv)}
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    flags = [f for f in info.get("flags", "").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return {"snapspec": snapspec.__version__, "git": git.stdout.strip() or os.environ.get("SNAPSPEC_COMMIT", ""),
+            "onnxruntime": ort.__version__, "cpu": info.get("model name", "?"), "cpu_flags": flags,
+            "cores": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0)), "threads": a.threads,
+            "llama.cpp": str(a.llama), "load_average_at_start": os.getloadavg(), "command": " ".join(sys.argv)}
 
 
 def main(argv=None) -> int:
@@ -267,6 +290,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sampling", action="store_true", help="also sampled vs greedy decoding speed (int4 variants)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--prepare-only", action="store_true", help="make the exports and GGUF files, measure nothing")
+    p.add_argument("--drop-intermediate", action="store_true",
+                   help="delete the bf16 GGUF once its Q4_0 is written (disk: 8 GB at the 4B shape)")
     a = p.parse_args(argv)
     if a.cmd == "child":
         print(json.dumps(child(a)))
@@ -279,6 +305,9 @@ def main(argv=None) -> int:
     for name in filter(None, a.models.split(",")):  # --models "": the speculation cost model alone
         for variant in a.variants.split(","):
             folder, gguf = prepare(a, name, variant)
+            if a.prepare_only:
+                print(f"prepared {folder} and {gguf}", flush=True)
+                continue
             entry = {"folder": str(folder), "folder_bytes": folder_bytes(folder), "gguf": str(gguf),
                      "gguf_bytes": gguf.stat().st_size, "export": json.loads((folder / "snapspec.json").read_text())["export"]}
             entry["size_ratio"] = entry["folder_bytes"] / entry["gguf_bytes"]
@@ -314,6 +343,7 @@ def main(argv=None) -> int:
         print(f"speculation {a.spec}: C(n) {' '.join(f'{x:.2f}' for x in costs['C'])}, c {costs['c']:.3f}, "
               f"r {costs['r']:.3f}, step {costs['target_step_ms']:.1f} ms, predicted {costs['predicted_speedup']}",
               flush=True)
+    res["provenance"]["load_average_at_end"] = os.getloadavg()
     if a.json:
         a.json.write_text(json.dumps(res, indent=1))
     return 0
