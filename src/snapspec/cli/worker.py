@@ -79,7 +79,7 @@ class Worker(lifecycle.Admission):
         if self.parallel > 1:
             self.scheduler = Scheduler(target)
             for slot in self.slots:
-                self.scheduler.attach(slot.tctx)
+                self.scheduler.attach(slot.tctx, slot.drafter)  # an MTP head's forwards too
             self.scheduler.warm(range(2, self.parallel + 1))  # the graphs for 2..N sequences, before any request
         self._free = list(self.slots)
         drafter = self.cache.drafter  # each slot has its own draft source of this kind

@@ -104,7 +104,7 @@ class Batch:
         self._free: queue.Queue = queue.Queue()
         for source in sources:
             pair = Pair(target, source, length=length, window=w, rollback=rollback)
-            self.scheduler.attach(pair.tctx)
+            self.scheduler.attach(pair.tctx, pair.drafter)  # an MTP head's forwards too
             self.pairs.append(pair)
             self._free.put(pair)
         if warm:

@@ -68,6 +68,11 @@ def load_head(model, *, threads: int | None = None, share: bool | None = None, c
     cuda_graph: on CUDA, a session that captures and replays CUDA graphs on snapspec's stream (the target's, when it
     was loaded with `cuda_graph`), for the head's fixed-address steps (drafters/mtp_chain.py).
 
+    An int4 head on CPU is loaded as load() loads an int4 target (exactness.load_graph): where this CPU's one-row
+    MatMulNBits kernel sums in another order than the several-row one, one-row calls run paired, so that every row
+    gets the same bits whatever the row count, and the scheduler can run several sequences' head calls in one
+    forward exactly (runners/batched_head.py).
+
     share: give the head's session the initializers it shares with the target (embedding, output projection,
     rotary tables) as OrtValues made once (SessionOptions.add_initializer, `shared_values`). Default: share exactly
     when the target was loaded with `load(..., share_head=True)`, whose session holds the same OrtValues, so that
@@ -103,14 +108,23 @@ def load_head(model, *, threads: int | None = None, share: bool | None = None, c
     graphs = cuda_graph and ep == "cuda"
     _, providers = configure(ep, opts, allow_fallback=False, cuda_graph=graphs, shared_stream=graphs)
     path = m.graph_path("mtp")
+    source = str(path)
+    if ep == "cpu" and int4_head(m):  # rows paired where this CPU's one-row kernel differs, as the target's
+        from .exactness import load_graph
+        source, _ = load_graph(path, opts, threads, who=f"{m.folder.name} MTP head: ")
     try:
-        session = (ort.InferenceSession(str(path), opts) if providers is None
-                   else ort.InferenceSession(str(path), opts, providers=providers))
+        session = (ort.InferenceSession(source, opts) if providers is None
+                   else ort.InferenceSession(source, opts, providers=providers))
     except Exception as exc:  # onnxruntime raises its own exception types for corrupt or truncated graphs
         msg = str(exc).splitlines()[0].split(" : FAIL : ")[-1].strip()[:500]
         raise SnapspecError(f"onnxruntime cannot load {path.name} from {path.parent}: {msg}") from None
     names = sorted(values)
     return Head(session, info, m.data["graphs"]["mtp"], names, [values[n] for n in names])
+
+
+def int4_head(m: manifest.Manifest) -> bool:
+    """Whether the head's linears are int4 (an int4 export's head, or --mtp-quant int4 over a float target)."""
+    return "int4" in (m.data["export"].get("quant"), head_info(m).get("quant"))
 
 
 def shared_values(m: manifest.Manifest, ep: str = "cpu", *, copy: bool | None = None) -> dict[str, ort.OrtValue]:

@@ -163,11 +163,13 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
     return model
 
 
-def open_like(model: Model, graph: bytes, path: Path, weights: dict | None = None) -> ort.InferenceSession:
+def open_like(model: Model, graph: bytes, path: Path, weights: dict | None = None,
+              spin: bool | None = None) -> ort.InferenceSession:
     """A session on another form of a model's graph (its bytes, whose weights lie beside `path`, or are given as
-    {name: OrtValue} in `weights`, shared), on the model's provider with the forward session's options: the
-    scheduler's graph for several sequences (scheduler.py)."""
-    opts = _options(model.threads, model.spin)
+    {name: OrtValue} in `weights`, shared), on the model's provider with the forward session's options (spin: whether
+    its threads spin between runs, default the model's): the scheduler's graphs for several sequences (scheduler.py;
+    the MTP head's runs between the target's forwards, and does not spin, as load_head's session)."""
+    opts = _options(model.threads, model.spin if spin is None else spin)
     for name, value in (weights or {}).items():
         opts.add_initializer(name, value)
     opts.add_session_config_entry(exactness.EXTERNAL_FOLDER, str(Path(path).parent))

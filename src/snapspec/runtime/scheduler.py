@@ -15,6 +15,14 @@ elsewhere does not stall the others for long), then runs them:
   steps to a prefill chunk would multiply their work;
 - the graph for B sequences (batched_graph.py) is made once per B, on first use or at `warm`.
 
+The MTP heads of the slots (`--drafter mtp`: each slot's MtpDrafter has a head with its own KV) hand their forwards
+here too (`attach(ctx, drafter)` asks the drafter; `attach_head`), and the same rules batch them on the head's graph
+for B sequences (runners/batched_head.py): the catch-up call of a round and each one-row chained step of every slot
+drafting at once run as one forward, padded on the right (a head rolls back by truncation: it pads where its buffer
+has room); a prompt's catch-up runs alone. When every sequence waits here and some wait with head calls, those run
+first and the target forwards wait: a slot whose draft is shorter waits for the others' drafts, and the verifies
+meet in one forward. The target's counters are `counters`, the heads' `head_counters`.
+
 One forward at a time runs on the model's cores: the scheduler's. The results go back to each sequence's thread,
 which records its forward in its own context. Exactness: every row of a batched forward gets the bits it gets alone
 (tests/export/test_batch_rows.py for the graph; tests/runtime/test_batch.py for whole generations).
@@ -32,15 +40,18 @@ import numpy as np
 from snapspec import SnapspecError
 
 from .batched_graph import batched
+from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result
+from .runners.batched_head import BatchedHead, HeadCall, head_batchable
 
 log = logging.getLogger("snapspec")
 
 
 @dataclass
 class _Pending:
-    call: Call
-    alone: bool  # runs on its context's own runner
+    call: Call | HeadCall
+    alone: bool  # runs on its context's own runner (its head's own session)
+    head: bool = False  # an MTP head's forward
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
@@ -48,7 +59,7 @@ class _Pending:
 
 @dataclass
 class Counters:
-    """What /metrics and bench report about batching."""
+    """What /metrics and bench report about batching (the target's forwards, or the MTP heads')."""
 
     forwards: int = 0  # forwards run (batched or alone)
     batched_forwards: int = 0  # forwards of more than one sequence
@@ -67,8 +78,11 @@ class Scheduler:
         self.model = model
         self.patience = float(patience)
         self.counters = Counters()
-        self._runners: dict[int, BatchedRunner] = {}
-        self._weights: dict | None = None  # the graph's weights, one copy for every batched session (made once)
+        self.head_counters = Counters()
+        self._runners: dict[tuple, BatchedRunner | BatchedHead] = {}  # by (graph, sequences)
+        self._weights: dict[str, dict] = {}  # each graph's weights, one copy for all its batched sessions (made once)
+        self._rows = window_of(model) + 1  # the longest head call that joins others: a catch-up after a full round
+        self._heads: str | None = None  # why the MTP heads' calls cannot run batched ("": they can); None: not asked
         self._lock = threading.Lock()  # makes the runners
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
@@ -78,13 +92,33 @@ class Scheduler:
         self._thread.start()
 
     # -- sequences ----------------------------------------------------------------------------------------------
-    def attach(self, ctx) -> None:
-        """Route ctx's forwards through this scheduler (ctx: a context of this model)."""
+    def attach(self, ctx, drafter=None) -> None:
+        """Route ctx's forwards through this scheduler (ctx: a context of this model), and those of the drafter's
+        own model where it offers them (Extras.batched: an MTP head)."""
         if ctx.model is not self.model:
             raise SnapspecError("a scheduler runs the contexts of its own model")
         if ctx.captured is not None:
             raise SnapspecError("batched forwards do not replay CUDA graphs: load the model without cuda_graph")
         ctx.batch = self
+        self._rows = max(self._rows, self._short(ctx))
+        if drafter is not None and drafter.extras.batched is not None and self.batches_heads():
+            drafter.extras.batched(self)
+
+    def batches_heads(self) -> bool:
+        """Whether this model's MTP head calls run batched here (runners/batched_head.head_batchable; asked once)."""
+        if self._heads is None:
+            self._heads = head_batchable(self.model) or ""
+            if self._heads:
+                log.info("MTP head calls run one by one: %s", self._heads)
+        return not self._heads
+
+    def attach_head(self, head) -> None:
+        """Route an MTP head's forwards (an OnnxHead of this model) through this scheduler, with other sequences'."""
+        if head.model is not self.model:
+            raise SnapspecError("a scheduler runs the MTP heads of its own model")
+        if not self.batches_heads():
+            raise SnapspecError(f"{self.model.folder.name}: MTP head calls cannot run batched: {self._heads}")
+        head.batch = self
 
     def join(self) -> None:
         """A sequence starts: the scheduler waits for its forwards from now on."""
@@ -106,6 +140,8 @@ class Scheduler:
         for n in sizes:
             if n > 1:
                 self._runner(n)
+                if self._heads == "":  # a drafter asked for batched head calls
+                    self._runner(n, head=True)
 
     def close(self) -> None:
         with self._cv:
@@ -117,7 +153,15 @@ class Scheduler:
     def forward(self, ctx, ids: np.ndarray, keep: int, logits: bool) -> Result:
         """Run ctx's forward of ids from its position with the others pending; blocks until it ran."""
         call = Call(ctx, ctx.keys(), np.asarray(ids, dtype=np.int64), ctx.n_past, keep, logits)
-        p = _Pending(call, alone=len(call.ids) > self._short(ctx))
+        return self._submit(_Pending(call, alone=len(call.ids) > self._short(ctx)))
+
+    def forward_head(self, head, ids: np.ndarray, hidden: np.ndarray, logits: bool):
+        """Run an attached head's forward of ids [t] and hidden [t, H] from its n_past with the others pending
+        (OnnxHead.forward; the head advances its n_past); blocks until it ran. Returns its HeadRows."""
+        call = HeadCall(head, np.asarray(ids, dtype=np.int64), hidden, head.n_past, logits)
+        return self._submit(_Pending(call, alone=len(call.ids) > self._rows, head=True))
+
+    def _submit(self, p: _Pending):
         with self._cv:
             if self._closed:
                 raise SnapspecError("the scheduler is closed")
@@ -149,7 +193,13 @@ class Scheduler:
                         self._cv.wait(self.patience - waited)
                     else:
                         self._cv.wait()
-                todo, self._pending = self._pending, []
+                todo = self._pending
+                heads = [p for p in todo if p.head]
+                if heads and len(heads) < len(todo) and len(todo) >= self._live:
+                    # every sequence waits here: the drafts first, so that the verifies meet in one forward
+                    todo, self._pending = heads, [p for p in todo if not p.head]
+                else:
+                    self._pending = []
             try:
                 groups = self._groups(todo)
             except BaseException as exc:  # never leave a sequence waiting
@@ -164,47 +214,56 @@ class Scheduler:
         groups: dict[tuple, list[_Pending]] = {}
         out = []
         for p in todo:
-            ctx, t = p.call.ctx, len(p.call.ids)
+            t = len(p.call.ids)
             if p.alone:
                 out.append([p])
-                continue
-            pads = ctx.mode in ("replay", "truncate") and ctx.n_past + self._short(ctx) <= ctx.max_len
-            key = (ctx.kv_rows, None if pads else t)
-            groups.setdefault(key, []).append(p)
+            elif p.head:  # a head rolls back by truncation: it pads where its buffer has room
+                head = p.call.head
+                key = ("head", head.kv_rows, None if head.n_past + self._rows <= head.max_len else t)
+                groups.setdefault(key, []).append(p)
+            else:
+                ctx = p.call.ctx
+                pads = ctx.mode in ("replay", "truncate") and ctx.n_past + self._short(ctx) <= ctx.max_len
+                groups.setdefault((ctx.kv_rows, None if pads else t), []).append(p)
         return out + list(groups.values())
 
     def _run(self, group: list[_Pending]) -> None:
+        head = group[0].head
+        counters = self.head_counters if head else self.counters
         try:
             if len(group) == 1:
                 c = group[0].call
-                group[0].result = c.ctx.bound.forward(c.keys, c.ids[None], c.start, c.keep, c.logits)
+                group[0].result = c.alone() if head else c.ctx.bound.forward(c.keys, c.ids[None], c.start, c.keep,
+                                                                             c.logits)
                 rows = len(c.ids)
             else:
-                results = self._runner(len(group)).forward([p.call for p in group])
+                results = self._runner(len(group), head).forward([p.call for p in group])
                 for p, r in zip(group, results):
                     p.result = r
-                rows = len(group) * len(results[0].ids)
-                self.counters.batched_forwards += 1
-                self.counters.padded_rows += rows - sum(len(p.call.ids) for p in group)
-            self.counters.forwards += 1
-            self.counters.rows += rows
-            self.counters.sequences += len(group)
+                rows = len(group) * max(len(p.call.ids) for p in group)
+                counters.batched_forwards += 1
+                counters.padded_rows += rows - sum(len(p.call.ids) for p in group)
+            counters.forwards += 1
+            counters.rows += rows
+            counters.sequences += len(group)
         except BaseException as exc:  # every waiting sequence hears of it; the scheduler goes on
             for p in group:
                 p.error = exc if isinstance(exc, SnapspecError) else SnapspecError(f"batched forward failed: {exc}")
         for p in group:
             p.done.set()
 
-    def _runner(self, n: int) -> BatchedRunner:
+    def _runner(self, n: int, head: bool = False) -> BatchedRunner | BatchedHead:
+        graph = "mtp" if head else "forward"
         with self._lock:
-            if n not in self._runners:
+            if (graph, n) not in self._runners:
                 started = time.monotonic()
-                if self._weights is None:
+                if graph not in self._weights:
                     from .head import external_values
-                    self._weights = external_values(self.model.manifest, "forward", ep=self.model.ep)
-                self._runners[n] = BatchedRunner(self.model, n, batched_session(self.model, n, self._weights))
-                log.info("graph for %d sequences ready in %.1f s", n, time.monotonic() - started)
-            return self._runners[n]
+                    self._weights[graph] = external_values(self.model.manifest, graph, ep=self.model.ep)
+                session = batched_session(self.model, n, self._weights[graph], graph)
+                self._runners[graph, n] = (BatchedHead if head else BatchedRunner)(self.model, n, session)
+                log.info("%s graph for %d sequences ready in %.1f s", graph, n, time.monotonic() - started)
+            return self._runners[graph, n]
 
 
 def batchable(model) -> str | None:
@@ -229,35 +288,39 @@ def batchable(model) -> str | None:
     return None
 
 
-def batched_session(model, n: int, weights: dict | None = None):
-    """A session on the model's forward graph rewritten for n sequences (batched_graph.batched), on the model's
-    provider and options. An int4 graph on CPU that load() runs with paired rows (runtime/exactness.py) runs here
-    as exported where calls of several rows already give each row the paired one-row call's bits
-    (exactness.several_rows_bitwise): n >= 2 sequences never make a one-row call, and pairing would double the
-    rows of every step. weights: {name: OrtValue} of its initializers that every such session shares
-    (head.external_values): sessions for 2..N sequences then hold the weights once (pre-packed CPU kernels still
-    pack their own copy)."""
+def batched_session(model, n: int, weights: dict | None = None, graph: str = "forward"):
+    """A session on the model's forward graph (graph="mtp": its MTP head's) rewritten for n sequences
+    (batched_graph.batched), on the model's provider and options. An int4 graph on CPU that load() (load_head) runs
+    with paired rows (runtime/exactness.py) runs here as exported where calls of several rows already give each row
+    the paired one-row call's bits (exactness.several_rows_bitwise): n >= 2 sequences never make a one-row call, and
+    pairing would double the rows of every step. weights: {name: OrtValue} of its initializers that every such
+    session shares (head.external_values): sessions for 2..N sequences then hold the weights once (pre-packed CPU
+    kernels still pack their own copy)."""
     import onnx
 
     from . import exactness
+    from .head import int4_head
     from .model import open_like
-    from .policy import window_of
 
     m = model.manifest
-    path = m.graph_path("forward")
+    head = graph == "mtp"
+    path = m.graph_path(graph)
     source = str(path)
-    if model.device == "cpu" and m.data["export"].get("quant") == "int4":
+    if model.device == "cpu" and (int4_head(m) if head else m.data["export"].get("quant") == "int4"):
         import onnxruntime as ort
         source, _ = exactness.load_graph(path, ort.SessionOptions(), model.threads)
-        graph = onnx.load(str(path), load_external_data=False)
-        kinds = exactness.graph_kinds(graph)
-        # the probe covers the most rows a call of n sequences makes here: n verifies of W + 1 rows
+        proto = onnx.load(str(path), load_external_data=False)
+        kinds = exactness.graph_kinds(proto)
+        # the probe covers the most rows a call of n sequences makes here: n verifies (catch-ups) of W + 1 rows
         rows = max(exactness.PROBE_ROWS, n * (window_of(model) + 1))
         if isinstance(source, bytes) and not all(exactness.several_rows_bitwise(b, lv, model.threads, rows)
                                                  for b, lv in kinds):
-            graph = onnx.load_from_string(source)  # rows stay paired (or at level 1), as alone
+            proto = onnx.load_from_string(source)  # rows stay paired (or at level 1), as alone
     else:
-        graph = onnx.load(source, load_external_data=False)
-    packed = m.rollback_data
-    graph = batched(graph, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
-    return open_like(model, graph.SerializeToString(), path, weights)
+        proto = onnx.load(source, load_external_data=False)
+    if head:
+        proto = batched(proto, n, m.data["mtp"]["state"])
+    else:
+        packed = m.rollback_data
+        proto = batched(proto, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
+    return open_like(model, proto.SerializeToString(), path, weights, spin=False if head else None)

@@ -73,6 +73,9 @@ class Extras:
     # follow(prefix, hidden, stats), take_state(since) and load_state(parts, tokens) (an MTP head); a drafter
     # model's context is snapshotted as a context, a stateless source (n-gram lookup) needs none.
     snapshots: object = None
+    # scheduler -> run the drafter's own forwards through the scheduler of the target's sequences (runtime/
+    # scheduler.py), batched with the other slots' (an MTP head: runners/batched_head.py); called by its attach()
+    batched: Callable[[object], None] | None = None
 
 
 class Drafter(ABC):

@@ -17,6 +17,9 @@ the head's distribution under the same sampling law as the target's (sampling.pi
 Adaptive k: the head's step cost is timed by adaptive.measure_costs, the same interleaved rounds as a drafter
 model's, through a small adapter that gives the head a context's forward/rollback.
 
+In a Batch (serve --parallel) each slot has its MtpDrafter and head; the slots' schedule runs their heads' forwards
+together (Scheduler.attach_head, runners/batched_head.py), each head's rows with the bits of its forward alone.
+
 Chaining: with a target loaded with CUDA graphs (or `chain=True`), the head is a ChainedHead (drafters/mtp_chain.py):
 a greedy draft's k steps are queued as replayed fixed-address steps, each fed the argmax and output hidden of the one
 before on the device, and the draft reaches the round as device ids (Draft.device) that the target's verify reads
@@ -64,7 +67,8 @@ class MtpDrafter(Drafter):
         self._draft = Draft([])
         self._end = 0  # where the next plain target step's rows end (the position of seq[-1])
         self._warned = False
-        self.extras = Extras(hidden=True, costs=self.measure_costs, snapshots=self)
+        self._scheduler = None  # a Batch's scheduler, which runs the head's forwards with the other slots' heads
+        self.extras = Extras(hidden=True, costs=self.measure_costs, snapshots=self, batched=self.batch_with)
 
     def spawn(self) -> MtpDrafter:
         """Another drafter on the same target's head, with a head (KV, hidden rows) of its own."""
@@ -80,6 +84,18 @@ class MtpDrafter(Drafter):
             kind = ChainedHead if self.chain else OnnxHead
             self.head = kind(self.target, length, threads=self.threads)
             self._hidden, self._known = {}, []
+            self._attach()
+
+    def batch_with(self, scheduler) -> None:
+        """Run the head's forwards through the scheduler of the target's sequences (Scheduler.attach asks), with the
+        other slots' heads in one forward (runners/batched_head.py). A chained head keeps its own fixed-address
+        steps (the scheduler refuses targets loaded with CUDA graphs anyway)."""
+        self._scheduler = scheduler
+        self._attach()
+
+    def _attach(self) -> None:
+        if self._scheduler is not None and isinstance(self.head, OnnxHead) and not self.head.chains:
+            self._scheduler.attach_head(self.head)
 
     # -- the interface ----------------------------------------------------------------------------------------------
     def start(self, prompt, *, sampling, rng, stats, prefill=None, constraint=None, length=None) -> None:

@@ -7,6 +7,11 @@ rolls back by truncation: `truncate(pos)` moves the length, and the next forward
 writes from there make the stale rows unreachable. The head's position is the KV row it writes (the position of
 the hidden it reads).
 
+A head attached to a scheduler (`batch`: Scheduler.attach_head, which the MtpDrafter of a Batch's slot asks for)
+hands each forward to it, and the scheduler runs it with the other slots' head forwards in one forward of the head's
+graph for several sequences (runners/batched_head.py); `run` is the forward on the head's own session, which the
+scheduler uses for a call it runs alone. Either way the caller advances n_past.
+
 `HeadRows` is what a forward returns (the drafter reads only the last row); a fake head in the tests (a NumPy
 function behind `forward`, `truncate`, `reset`, `n_past`, `max_len`) runs the MtpDrafter's logic without an export.
 """
@@ -63,7 +68,13 @@ class OnnxHead:
         self._keep = np.ones((), dtype=np.int64)  # bound by pointer, as Context binds it
         self._ones = np.ones((1, self.max_len), dtype=np.int64)
         self._bindings: dict = {}  # with / without logits: one IOBinding each, the KV bound once
+        self.batch = None  # a Scheduler that runs this head's forwards with other sequences' heads (attach_head)
         self.n_past = 0
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of each KV buffer (max_len, and the spare row): heads batched together share it."""
+        return next(iter(self.kv.values.values())).shape()[2]
 
     def reset(self) -> None:
         self.n_past = 0
@@ -82,9 +93,18 @@ class OnnxHead:
             raise SnapspecError(f"MTP head forward of {t} tokens and {hidden.shape[0]} hidden rows")
         if self.n_past + t > self.max_len:
             raise SnapspecError(f"MTP head context full: {self.n_past} + {t} tokens exceed {self.max_len}")
+        hidden = np.ascontiguousarray(hidden, dtype=self.hidden_dtype)
+        rows = self.batch.forward_head(self, ids[0], hidden, logits) if self.batch is not None else \
+            self.run(ids, hidden, logits)
+        self.n_past += t
+        return rows
+
+    def run(self, ids: np.ndarray, hidden: np.ndarray, logits: bool) -> HeadRows:
+        """The forward of ids [1, t] from n_past on this head's own session (n_past is the caller's to advance)."""
+        t = ids.shape[1]
         b, order = self._binding(logits)
         b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("hidden", np.ascontiguousarray(hidden, dtype=self.hidden_dtype)[None])
+        b.bind_cpu_input("hidden", hidden[None])
         b.bind_cpu_input("position_ids", self.model.position_ids(self.n_past, t))
         b.bind_input("attention_mask", "cpu", 0, np.int64, [1, self.n_past + t], self._ones.ctypes.data)
         if self.keeps_rows:
@@ -93,7 +113,6 @@ class OnnxHead:
             b.bind_output(name, "cpu")
         self.session.run_with_iobinding(b, self._options)
         outs = dict(zip(order, b.get_outputs()))
-        self.n_past += t
         return HeadRows(outs["next_tokens"].numpy()[0].copy(),
                         outs["logits"].numpy()[0].copy() if logits else None,
                         outs["hidden_out"].numpy()[0].copy())

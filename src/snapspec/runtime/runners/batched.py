@@ -120,9 +120,12 @@ def attention_lengths(calls: list[Call], t: int) -> list[tuple[np.ndarray, np.nd
     """Each sequence's GroupQueryAttention lengths for a call of t rows, as the exported graph computes them for it
     alone (export/blocks: seqlens_k = its mask width - 1, total = the width, each + 1 for the spare row when its KV
     buffer has a row free past the call): ([1] int32, scalar int32) per call."""
-    out = []
-    for c in calls:
-        width = c.start + t
-        spare = 1 if (c.ctx.kv_rows or 0) > width else 0
-        out.append((np.array([width - 1 + spare], dtype=np.int32), np.array(width + spare, dtype=np.int32)))
-    return out
+    return [row_lengths(c.start, t, c.ctx.kv_rows) for c in calls]
+
+
+def row_lengths(start: int, t: int, kv_rows: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """One sequence's (seqlens_k, total_sequence_length) for a call of t rows from `start` with KV buffers of
+    kv_rows rows (attention_lengths; the MTP head's batched forwards too, runners/batched_head.py)."""
+    width = start + t
+    spare = 1 if (kv_rows or 0) > width else 0
+    return np.array([width - 1 + spare], dtype=np.int32), np.array(width + spare, dtype=np.int32)
