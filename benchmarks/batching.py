@@ -51,11 +51,14 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=None, help="tokens per slot (default: longest prompt + new + 16)")
     p.add_argument("--reps", type=int, default=1, help="sequential/together pairs, alternated (A B A B ...)")
     p.add_argument("--ep", default="cpu", help="cpu or cuda")
+    p.add_argument("--head-batching", choices=["on", "off"], default="on",
+                   help="run the slots' MTP head calls in one forward (off: each head alone, as before)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
     from snapspec.runtime import Generator, Pair, load
     from snapspec.runtime.batch import Batch
+    from snapspec.runtime.scheduler import Scheduler
 
     target = load(a.target, threads=a.threads, ep=a.ep, **({"rollback": "replay"} if a.ep != "cpu" else {}))
     drafter = a.drafter
@@ -71,7 +74,8 @@ def main(argv=None) -> int:
         kw["draft_max"] = draft_max
 
     pair = Pair(target, drafter, length=context)
-    batch = Batch(target, drafter, parallel=a.parallel, context=context)
+    scheduler = Scheduler(target, heads=a.head_batching == "on")
+    batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler)
 
     def sequential():
         out, ttft = [], []
@@ -94,6 +98,7 @@ def main(argv=None) -> int:
         for p_ in batch.pairs:
             p_.reset()
         before = dict(vars(batch.scheduler.counters))
+        heads_before = dict(vars(batch.scheduler.head_counters))
         start = time.perf_counter()
         seqs = [batch.submit(ids, **kw) for ids in prompts]
         out, ttft, stamps = [], [], []  # stamps: (seconds, new tokens) of every event
@@ -119,6 +124,7 @@ def main(argv=None) -> int:
             r.join()
         wall = time.perf_counter() - start
         counters = {k: v - before[k] for k, v in vars(batch.scheduler.counters).items()}
+        counters.update({f"head_{k}": v - heads_before[k] for k, v in vars(batch.scheduler.head_counters).items()})
         # decode together: the tokens after every prompt had its first, over that window (all running at once
         # when --parallel >= the prompts)
         since = max(ttft)
@@ -147,7 +153,9 @@ def main(argv=None) -> int:
             print("FAIL: a prompt's tokens together differ from alone", file=sys.stderr)
             return 1
     batch.close()
+    scheduler.close()
     result = {"cpu": cpu(), "ep": a.ep, "target": str(a.target), "drafter": a.drafter, "parallel": a.parallel,
+              "head_batching": a.head_batching,
               "prompts": len(prompts), "new": a.new, "threads": a.threads, "draft_max": a.draft_max, "runs": runs,
               "ratio_median": sorted(r["ratio"] for r in runs)[len(runs) // 2]}
     print(f"CPU: {result['cpu']}")

@@ -69,9 +69,10 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, model, *, patience: float = 0.05):
+    def __init__(self, model, *, patience: float = 0.05, heads: bool = True):
         """model: the loaded target (CPU or CUDA, the forward graph: not a state-window graph, not CUDA graphs).
-        patience: seconds the scheduler waits for every joined sequence's forward before running what it has."""
+        patience: seconds the scheduler waits for every joined sequence's forward before running what it has.
+        heads: run the slots' MTP head calls batched too (False: each head runs its own, as alone)."""
         why = batchable(model)
         if why:
             raise SnapspecError(f"{model.folder.name} cannot run sequences in one forward: {why}")
@@ -82,7 +83,8 @@ class Scheduler:
         self._runners: dict[tuple, BatchedRunner | BatchedHead] = {}  # by (graph, sequences)
         self._weights: dict[str, dict] = {}  # each graph's weights, one copy for all its batched sessions (made once)
         self._rows = window_of(model) + 1  # the longest head call that joins others: a catch-up after a full round
-        self._heads: str | None = None  # why the MTP heads' calls cannot run batched ("": they can); None: not asked
+        # why the MTP heads' calls cannot run batched ("": they can); None: not asked yet
+        self._heads: str | None = None if heads else "switched off (Scheduler(heads=False))"
         self._lock = threading.Lock()  # makes the runners
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
@@ -319,7 +321,8 @@ def batched_session(model, n: int, weights: dict | None = None, graph: str = "fo
     else:
         proto = onnx.load(source, load_external_data=False)
     if head:
-        proto = batched(proto, n, m.data["mtp"]["state"])
+        from .runners.batched_head import keep_last_rows
+        proto = keep_last_rows(batched(proto, n, m.data["mtp"]["state"]))
     else:
         packed = m.rollback_data
         proto = batched(proto, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
