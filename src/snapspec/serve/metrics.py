@@ -115,7 +115,7 @@ class Metrics:
 class SchedulerCollector:
     """The scheduler's counters (runtime/scheduler.py: serve --parallel), read when the page is scraped: sequences
     running now, forwards run, how many ran several sequences, and their rows (rows per forward = rows / forwards;
-    padding = verify rows of shorter drafts, rolled back)."""
+    padding = verify rows of shorter drafts, rolled back); the same for the slots' MTP head forwards (head_*)."""
 
     def __init__(self, model_id: str, scheduler):
         self.model, self.scheduler = model_id, scheduler
@@ -134,6 +134,15 @@ class SchedulerCollector:
                 ("rows", "Token rows run, padding included", c.rows),
                 ("padded_rows", "Padding rows (a shorter verify's, rolled back like a rejected draft)", c.padded_rows),
                 ("sequence_calls", "Sequences' forwards served (the sum of each forward's batch size)", c.sequences)):
+            family = CounterMetricFamily(f"snapspec_batch_{name}", doc, labels=["model"])
+            family.add_metric([self.model], value)
+            yield family
+        h = self.scheduler.head_counters  # the slots' MTP head forwards (runners/batched_head.py)
+        for name, doc, value in (
+                ("head_forwards", "MTP head forwards the scheduler ran (batched or alone)", h.forwards),
+                ("head_batched_forwards", "MTP head forwards that ran several sequences' rows", h.batched_forwards),
+                ("head_rows", "MTP head rows run, padding included", h.rows),
+                ("head_padded_rows", "MTP head padding rows (a shorter call's, truncated)", h.padded_rows)):
             family = CounterMetricFamily(f"snapspec_batch_{name}", doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family
