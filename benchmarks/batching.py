@@ -5,7 +5,8 @@ Sequential: one Pair (the server's --parallel 1 slot), each prompt a Generator a
 between. Together: a Batch of --parallel slots, every prompt submitted at once (`Batch.generate`). Aggregate
 tokens/s = all new tokens over the wall time of the whole set; each prompt's tokens together must equal its tokens
 alone (the run fails otherwise). Reported beside it: the scheduler's forwards, how many ran several sequences, the
-rows run and the padded rows among them, and the per-prompt time to first token in both modes.
+rows run and the padded rows among them (head_*: the same for the slots' MTP head forwards; --head-batching off runs
+each head alone, as before they were batched), and the per-prompt time to first token in both modes.
 
 python benchmarks/batching.py --target T [--drafter ngram|mtp|FOLDER] --parallel 4 \
     --prompts ../shared/models/pair-a/prompts.jsonl --limit 4 --new 128 --threads 2 --json out.json
