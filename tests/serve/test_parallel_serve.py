@@ -97,8 +97,8 @@ def test_bad_parallel_is_one_line(target, value):
 
 def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path):
     """`--drafter mtp --parallel 3`: the command line makes one MtpDrafter, and each slot gets its own (spawn):
-    concurrent completions all succeed and equal their generations alone. (One head shared by the slots failed with
-    'the MTP head has nothing to draft from'.)"""
+    concurrent completions all succeed and equal their generations alone, the heads' forwards run by the scheduler.
+    (One head shared by the slots failed with 'the MTP head has nothing to draft from'.)"""
     from snapspec.export import export
     from snapspec.runtime import generate, load
 
@@ -120,5 +120,9 @@ def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path):
         for t in threads:
             t.join(timeout=120)
         assert "failed" not in server["log"].read_text()
+        m = metrics(server)
     for i, p in enumerate(prompts):
         assert texts[i] == model.decode(generate(model, p, drafter="mtp", draft_max=3, max_new_tokens=12).tokens)
+    # every head forward went through the scheduler (runners/batched_head.py); whether two met is timing
+    assert m["snapspec_batch_head_forwards_total"] > 0
+    assert m["snapspec_batch_head_rows_total"] >= m["snapspec_batch_head_forwards_total"]
