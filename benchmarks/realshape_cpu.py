@@ -12,6 +12,11 @@ ratio is quoted with its spread over those pairs. snapspec's side is this script
 llama-bench (`-r 1`, after its own warm-up run). Exports and GGUF files are made under --work when missing
 (snapspec export; convert.sh + llama-quantize from --llama).
 
+On a shared machine, `--quiet` waits before each pair until the other processes use under `--quiet-cores` (from
+/proc/stat's busy time less this process's and its children's), records the cores they used during each pair
+(`others_cores`), and redoes a pair during which they used more than `--busy-max` (llama.cpp's polling thread pool
+loses most of its speed when a core is taken; its decode fell to a fifth beside another agent's server).
+
 `--prepare-only` makes the exports and GGUF files and stops, so that a later run measures the models one after
 another without a conversion between them; `--drop-intermediate` deletes each bf16 GGUF once its Q4_0 is written.
 Provenance records `lscpu`'s model name and flags, the CPUs this process may run on (taskset) and the load average
@@ -32,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -209,6 +215,41 @@ def spread(xs: list[float]) -> dict:
     return {"median": float(np.median(xs)), "min": float(min(xs)), "max": float(max(xs)), "all": xs}
 
 
+def _busy_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat: user, nice, system, irq, softirq)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return (f[0] + f[1] + f[2] + f[5] + f[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def _mine_s() -> float:
+    """CPU seconds of this process and of its children that have ended (each measurement is such a child)."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+class Others:
+    """The CPU that the machine's other processes used over a window, in cores: its busy time less ours."""
+
+    def __enter__(self):
+        self.t, self.busy, self.mine = time.perf_counter(), _busy_s(), _mine_s()
+        return self
+
+    def __exit__(self, *exc):
+        dt = time.perf_counter() - self.t
+        self.cores = max(0.0, (_busy_s() - self.busy) - (_mine_s() - self.mine)) / dt
+
+
+def wait_quiet(a) -> float:
+    """Wait until the other processes use under --quiet-cores for two 5-second windows in a row (at most
+    --quiet-max seconds); the seconds waited."""
+    t0, calm = time.perf_counter(), 0
+    while calm < 2 and time.perf_counter() - t0 < a.quiet_max:
+        with Others() as o:
+            time.sleep(5)
+        calm = calm + 1 if o.cores < a.quiet_cores else 0
+    return time.perf_counter() - t0
+
+
 def compare(a, folder: Path, gguf: Path) -> dict:
     """Alternating snapspec / llama.cpp measurements of prefill at each length and of decode."""
     bench = a.llama / "bin" / "llama-bench"
@@ -216,12 +257,24 @@ def compare(a, folder: Path, gguf: Path) -> dict:
     result = {}
     phases = [("prefill", n) for n in a.prompts] + [("decode", a.decode)]
     for mode, n in phases:
-        ours, theirs, load = [], [], []
+        ours, theirs, load, others, waited, discarded = [], [], [], [], [], []
         for _ in range(a.reps):
-            load.append(os.getloadavg()[0])
-            ours.append(run_child(common + ["--mode", mode, "--tokens", str(n)]))
-            theirs.append(run_llama(bench, gguf, a.threads, n if mode == "prefill" else 0,
-                                    n if mode == "decode" else 0))
+            for attempt in range(a.retries + 1):
+                waited.append(wait_quiet(a) if a.quiet else 0.0)
+                load.append(os.getloadavg()[0])
+                with Others() as o:
+                    mine = run_child(common + ["--mode", mode, "--tokens", str(n)])
+                    peer = run_llama(bench, gguf, a.threads, n if mode == "prefill" else 0,
+                                     n if mode == "decode" else 0)
+                if not a.quiet or o.cores <= a.busy_max or attempt == a.retries:
+                    break
+                discarded.append({"others_cores": o.cores, "snapspec_tps": mine["tokens_per_s"],
+                                  "llama_tps": peer["tokens_per_s"]})
+                print(f"  {folder.name} {mode}_{n}: others used {o.cores:.2f} cores during the pair: again",
+                      flush=True)
+            ours.append(mine)
+            theirs.append(peer)
+            others.append(o.cores)
         ratio = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, theirs)]
         key = f"{mode}_{n}"
         result[key] = {"snapspec_tps": spread([o["tokens_per_s"] for o in ours]),
@@ -229,13 +282,15 @@ def compare(a, folder: Path, gguf: Path) -> dict:
                        "snapspec_peak_rss_mib": spread([o["peak_rss_mib"] for o in ours]),
                        "llama_peak_rss_mib": spread([t["peak_rss_mib"] for t in theirs]),
                        "snapspec_rss_after_load_mib": spread([o["rss_after_load_mib"] for o in ours]),
-                       "load_average_1min": load}
+                       "load_average_1min": load, "others_cores": others, "quiet_wait_s": waited,
+                       "discarded_pairs": discarded}
         if mode == "prefill":
             result[key]["snapspec_state_mib"] = ours[0]["state_mib"]
         print(f"  {folder.name} {key}: snapspec {result[key]['snapspec_tps']['median']:.1f} t/s, llama.cpp "
               f"{result[key]['llama_tps']['median']:.1f} t/s, ratio {result[key]['ratio']['median']:.2f} "
               f"({min(ratio):.2f}-{max(ratio):.2f}); peak RSS {result[key]['snapspec_peak_rss_mib']['median']:.0f} "
-              f"vs {result[key]['llama_peak_rss_mib']['median']:.0f} MiB", flush=True)
+              f"vs {result[key]['llama_peak_rss_mib']['median']:.0f} MiB; others' CPU "
+              f"{max(others):.2f} cores at most, {len(discarded)} pairs redone", flush=True)
     return result
 
 
@@ -290,6 +345,13 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--sampling", action="store_true", help="also sampled vs greedy decoding speed (int4 variants)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--quiet", action="store_true",
+                   help="before each pair, wait for the machine's other processes to go quiet; redo a pair during "
+                        "which they used more than --busy-max cores (at most --retries times)")
+    p.add_argument("--quiet-cores", type=float, default=0.15, help="--quiet: quiet is under this many cores")
+    p.add_argument("--quiet-max", type=float, default=1800, help="--quiet: wait at most this many seconds a pair")
+    p.add_argument("--busy-max", type=float, default=0.2)
+    p.add_argument("--retries", type=int, default=3)
     p.add_argument("--prepare-only", action="store_true", help="make the exports and GGUF files, measure nothing")
     p.add_argument("--drop-intermediate", action="store_true",
                    help="delete the bf16 GGUF once its Q4_0 is written (disk: 8 GB at the 4B shape)")
