@@ -255,7 +255,7 @@ def compare(a, folder: Path, gguf: Path) -> dict:
     bench = a.llama / "bin" / "llama-bench"
     common = ["--folder", str(folder), "--threads", str(a.threads)]
     result = {}
-    phases = [("prefill", n) for n in a.prompts] + [("decode", a.decode)]
+    phases = [("prefill", n) for n in a.prompts] + ([("decode", a.decode)] if a.decode else [])  # --decode 0: none
     for mode, n in phases:
         ours, theirs, load, others, waited, discarded = [], [], [], [], [], []
         for _ in range(a.reps):
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     if a.work is None:
         p.error("--work is required")
     a.work.mkdir(parents=True, exist_ok=True)
-    a.prompts = [int(x) for x in a.prompts.split(",")]
+    a.prompts = [int(x) for x in a.prompts.split(",") if x]  # --prompts "": decode alone
     res = {"provenance": provenance(a), "models": {}}
     for name in filter(None, a.models.split(",")):  # --models "": the speculation cost model alone
         for variant in a.variants.split(","):
