@@ -37,7 +37,8 @@ Scenarios:
   must end: a well-formed answer (a finish_reason; tool arguments and json_schema content that parse when it is
   "stop"/"tool_calls"), or cancelled on purpose. Fails (exit 1) on an error, a malformed answer or a lost request, if
   /health or one more request fails at the end, or if the server's resident memory after the last request is over
-  --rss-limit (default 1.05) times its value after request --rss-at (default 40).
+  --rss-limit (default 1.05) times its value after request --rss-at (default 40). --kinds cycles through a subset
+  (e.g. stream,plain,cancel: what separates the constrained requests' share of the memory).
 
 Servers:
 - `--server snapspec` (default): `snapspec serve --target T [--drafter D] --port P --threads N [--parallel N]
@@ -554,7 +555,8 @@ def load(a, client, model: str, server: Server) -> dict:
 
     def one(c: int, i: int) -> dict:
         n = c * a.requests + i
-        kind = LOAD_KINDS[n % len(LOAD_KINDS)]
+        kinds = a.kinds.split(",") if a.kinds else LOAD_KINDS
+        kind = kinds[n % len(kinds)]
         body = {"model": model, "max_tokens": a.max_tokens, "temperature": 0,
                 "messages": [{"role": "user", "content": prompts[n % len(prompts)]["prompt"]}],
                 # a structured answer ends where its grammar does: no ignore_eos
@@ -726,6 +728,8 @@ def main(argv=None) -> int:
                         "user messages")
     g.add_argument("--agents", type=int, default=1, help="agent: conversations at once (same system prompt)")
     g.add_argument("--busy", type=int, default=0, help="agent: other clients looping on completions beside them")
+    g.add_argument("--kinds", default=None,
+                   help=f"load: the request kinds cycled through (default all: {','.join(LOAD_KINDS)})")
     g.add_argument("--cancel-after", type=int, default=3, help="load: chunks read before a cancel closes its stream")
     g.add_argument("--rss-at", type=int, default=40, help="load: the request after which memory is the reference")
     g.add_argument("--rss-limit", type=float, default=1.05, help="load: most last / reference memory")
