@@ -56,7 +56,7 @@ def read_rows_staged(value: ort.OrtValue, a: int, b: int, copy: Copier) -> np.nd
         return np.zeros(shape[:-2] + [0, shape[-1]], dtype=value_dtype(value))
     out = allocate(shape[:-2] + [b - a, shape[-1]], value_dtype(value), copy.device, 0.0)
     copy.copy([(src, dst) for src, dst in zip(_row_regions(value, a, b), _row_regions(out, 0, b - a))])
-    return out.numpy()
+    return _owned(out)
 
 
 def write_rows(value: ort.OrtValue, a: int, rows: np.ndarray, copy: Copier) -> None:
@@ -95,7 +95,7 @@ def read_region_staged(region: Region, copy: Copier) -> np.ndarray:
     dt = np.dtype(value_dtype(region.value))
     out = allocate([region.nbytes // dt.itemsize], dt, copy.device, 0.0)
     copy.copy([(region, Region(out))])
-    return out.numpy()
+    return _owned(out)
 
 
 def write_region(region: Region, data: np.ndarray, copy: Copier) -> None:
@@ -166,3 +166,11 @@ def load(kv, recurrent, parts: list[HostState], valid: int, n_past: int, copy: C
         for name, region in regions.items():
             write_region(region, state[name], copy)
         recurrent.restored(pos, memo)
+
+
+def _owned(out: ort.OrtValue) -> np.ndarray:
+    """The host array of a staging value made here, owning its memory. On CPU, numpy() is a view of the array the
+    OrtValue wraps, which dies with the value when the caller returns (the staged reads returned freed memory:
+    tests/runtime/test_prefix_resume.py failed now and then); on a device it is a fresh host copy already."""
+    host = out.numpy()
+    return host.copy() if out.device_name() == "cpu" else host
