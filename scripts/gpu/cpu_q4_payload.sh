@@ -17,13 +17,7 @@ out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
 shared=$(cd "$repo/.." && pwd)/shared; [ -d "$shared" ] || shared=$(cd "$repo/../.." && pwd)/shared
 L=$shared/peers/llama.cpp; P=$shared/models/pair-a
 work=$out/work && mkdir -p $work $out/p/wheels $out/p/pair-a $out/p/x $out/pa
-pipdl() {  # pipdl DIR SPEC...: cp312 manylinux x86-64 wheels, no deps
-  local d=$1; shift
-  local plats=() n
-  for n in 2_17 2_24 2_27 2_28 2_31 2_34; do plats+=(--platform manylinux_${n}_x86_64); done
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 "${plats[@]}" -d "$d" "$@"
-}
+. "$repo/scripts/gpu/pipdl.sh"  # pipdl DIR SPEC...
 if [ ! -e $work/ort-cpu.tar.xz ]; then
   pipdl $work onnxruntime==1.32.0
   rm -rf $work/cpu && mkdir -p $work/cpu && (cd $work/cpu && unzip -q ../onnxruntime-1.32.0-cp312-*.whl)

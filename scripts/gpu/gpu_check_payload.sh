@@ -15,13 +15,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)  # scripts/gpu/ -> the checkout
 out=$(mkdir -p "${1:?OUT_DIR}" && cd "$1" && pwd)
 work=$out/work && mkdir -p $work $out/c1 $out/c2/wheels
-pipdl() {  # pipdl DIR SPEC...: cp312 manylinux x86-64 wheels, no deps
-  local d=$1; shift
-  local plats=() n
-  for n in 2_17 2_24 2_27 2_28 2_31 2_34; do plats+=(--platform manylinux_${n}_x86_64); done
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux2014_x86_64 "${plats[@]}" -d "$d" "$@"
-}
+. "$repo/scripts/gpu/pipdl.sh"  # pipdl DIR SPEC...
 if [ ! -e $work/ort90.tar.xz ]; then
   pipdl $work onnxruntime-gpu==1.31.1
   rm -rf $work/ort && mkdir -p $work/ort && (cd $work/ort && unzip -q ../onnxruntime_gpu-1.31.1-*.whl 'onnxruntime/*')
