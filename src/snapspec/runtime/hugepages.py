@@ -42,6 +42,7 @@ PAGE = 4096  # the base page mincore reports on
 COLLAPSE_BUDGET = 1 << 30
 _collapsed = 0
 _huge: set[int] = set()  # the windows this process collapsed
+_refused: dict[int, int] = {}  # window -> errno, where the kernel refused a window's last try (EAGAIN/ENOMEM under load)
 SWEEP_SECONDS = 0.1  # while_loading: how often the thread looks for windows written since its last look
 
 
@@ -120,7 +121,10 @@ def _collapse(libc, start: int, end: int, tried: set[int] | None = None) -> None
             tried.add(at)
         if libc.madvise(at, HUGE, MADV_COLLAPSE) == 0:
             _huge.add(at)
+            _refused.pop(at, None)
             _collapsed += HUGE
+        elif tried is None:  # a last try: best effort, but say which windows stayed small, and why
+            _refused[at] = ctypes.get_errno()
 
 
 @contextlib.contextmanager
