@@ -8,6 +8,9 @@
 #                                                     at pair-a's shape and the Qwen3.5-4B shape, random weights,
 #                                                     fp16; C2 also holds pair-a/ (its config and tokenizer files)
 #                                                     and prompts.jsonl
+#   scripts/gpu/gpu_check_remote.sh profile C2 OUT    as batch, but where a decode step's time goes at 1, 4 and 16
+#                                                     sequences (benchmarks/batch_step_profile.py; PA_ONLY=1: pair-a's
+#                                                     shape only)
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -25,7 +28,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|batch)
+run|batch|profile)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -56,7 +59,7 @@ PY
   } 2>&1 | tee $out/env.txt
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
   cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
-  for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
+  [ $cmd = profile ] || for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
   [ -n "${DIAG_ONLY:-}" ] && exit
   python3 - <<'PY' 2>&1 | tail -3
 import shutil, torch, os
@@ -74,6 +77,14 @@ PY
     if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
+    if [ $cmd = profile ]; then
+      python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 1,4,16 --new 64 \
+        --prompts $c2/prompts.jsonl --json $out/batch-profile-h200-$shape.json 2>&1 | tee $out/batch-profile-h200-$shape.txt
+      python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --new 32 \
+        --prompts $c2/prompts.jsonl --ort-profile $out/prof-$shape 2>&1 | tee -a $out/batch-profile-h200-$shape.txt
+      rm -f $out/prof-$shape/*.json
+      [ $shape = pa ] && [ -n "${PA_ONLY:-}" ] && break; continue
+    fi
     python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 --new $new \
       --prompts $c2/prompts.jsonl --json $out/batch-h200-$shape.json 2>&1 | tee $out/batch-h200-$shape.txt
   done
