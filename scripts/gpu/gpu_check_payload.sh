@@ -8,6 +8,7 @@
 #             the working tree other sessions are editing); wheels/ (snapspec's deps the CUDA image lacks: llguidance,
 #             prompt_toolkit, wcwidth, jinja2 >= 3.1.6); with CPU_ORT, ort-cpu.tar.xz (that onnxruntime CPU wheel's
 #             package, without libonnxruntime.so, which the Python module does not load)
+# NO_SRC=1 leaves src.tar out: the remote script then runs the working tree the call carries (from its root).
 # PART_MIB (default 42) sizes part 1; the other part and c2's rest must fit beside the working tree too.
 # On the machine, scripts/gpu/gpu_check_remote.sh takes them:  stash .payload/c1  then  run .payload/c2 $OUT
 # (and, with CPU_ORT,  cpu .payload/c2 $OUT).
@@ -28,7 +29,7 @@ rm -f $out/c1/ort90.tar.xz.* $out/c2/ort90.tar.xz.*
 [ ! -e $work/ort90.tar.xz.2 ] || { echo "more than two parts: raise PART_MIB" >&2; exit 1; }
 cp $work/ort90.tar.xz.0 $out/c1/ && cp $work/ort90.tar.xz.1 $out/c2/
 pipdl $out/c2/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6
-(cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' ':!benchmarks/models/*.safetensors') \
+rm -f $out/c2/src.tar; [ -n "${NO_SRC:-}" ] || (cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' ':!benchmarks/models/*.safetensors') \
   > $out/c2/src.tar
 git -C $repo log -1 --format='%h %s' | cut -c1-160 > $out/c2/src.commit
 rm -f $out/c2/ort-cpu.tar.xz

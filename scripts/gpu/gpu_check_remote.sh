@@ -35,7 +35,8 @@ run|batch|profile)
   rm -rf $G/ortgpu $G/deps $G/src && mkdir -p $G/ortgpu $G/src
   cat $G/parts/ort90.tar.xz.* | xz -dc | tar x -C $G/ortgpu || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $G/deps $c2/wheels/*.whl || exit 1
-  tar xf $c2/src.tar -C $G/src || exit 1
+  if [ -e $c2/src.tar ]; then tar xf $c2/src.tar -C $G/src || exit 1
+  else rmdir $G/src && ln -s "$PWD" $G/src; fi  # NO_SRC payload: the carried working tree (run from its root)
   export PYTHONPATH=$G/ortgpu:$G/deps:$G/src/src PYTHONUNBUFFERED=1
   python3 - <<'PY' 2>&1 | tee $out/ort-check.txt
 import numpy as np, onnxruntime as ort

@@ -99,6 +99,23 @@ def test_batched_equals_alone(arch, quant, loaded):
         assert got[i] == alone(t, p, sampling=s, **kw), f"sampled prompt {i} differs from its run alone"
 
 
+def test_a_stable_batch_reuses_its_bindings(loaded):
+    """Three sequences decoding together, every step in one forward (a patient scheduler), bind their state through
+    a few kept bindings (one per combination of state keys: runners/batched.py), not one per step: the rows keep
+    their order whatever order the sequences' threads arrive in. Tokens equal each prompt's alone."""
+    t = loaded("qwen3_5")
+    ps = prompts(t.vocab_size, 3, seed=7)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False)
+    with Batch(t, parallel=3, context=CONTEXT, scheduler=Scheduler(t, patience=30.0)) as b:
+        got = together(b, ps, **kw)
+        runner = b.scheduler._runners["forward", 3]
+        made, forwards = len(runner._bindings), b.scheduler.counters.batched_forwards
+    for i, p in enumerate(ps):
+        assert got[i] == alone(t, p, **kw), f"prompt {i} differs from its run alone"
+    assert forwards >= NEW - 2  # every decode step of the three ran as one forward
+    assert made <= 2, f"{made} bindings for {forwards} forwards"
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "mamba2"])
 def test_padded_forward(arch, loaded):
     """Three sequences, each joined and prefilled, meet at a barrier and ask for forwards of 1, 3 and 5 tokens: the

@@ -227,7 +227,9 @@ class Scheduler:
                 ctx = p.call.ctx
                 pads = ctx.mode in ("replay", "truncate") and ctx.n_past + self._short(ctx) <= ctx.max_len
                 groups.setdefault((ctx.kv_rows, None if pads else t), []).append(p)
-        return out + list(groups.values())
+        # rows in a fixed order (by context), so that a stable set of sequences meets its runner's kept bindings
+        together = [sorted(g, key=lambda p: id(p.call.head if p.head else p.call.ctx)) for g in groups.values()]
+        return out + together
 
     def _run(self, group: list[_Pending]) -> None:
         head = group[0].head
