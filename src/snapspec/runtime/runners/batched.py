@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..batched_graph import ROW, SEQLENS, TOTAL, row_name
-from .io import GraphIO
+from .io import GraphIO, outputs_after
 
 
 @dataclass
@@ -60,7 +60,7 @@ class BatchedRunner:
         self.packed = packed["name"] if packed else None
         self.extra = [o for o in self.io.outputs if o not in ("logits", "next_tokens") and ROW not in o]
         self.attention = row_name(TOTAL, 0) in {i.name for i in session.get_inputs()}
-        self._bindings: OrderedDict = OrderedDict()  # (rows' contexts and keys, outputs) -> (binding, order, ctxs)
+        self._bindings: OrderedDict = OrderedDict()  # key -> (binding, output names, state outputs, contexts)
 
     def forward(self, calls: list[Call]) -> list[Result]:
         n, t_max = len(calls), max(len(c.ids) for c in calls)
@@ -76,7 +76,7 @@ class BatchedRunner:
         host_logits = any(c.logits for c in calls) or not self.io.argmax_in_graph
         hidden = any(c.ctx.hidden for c in calls) and "hidden" in self.io.outputs
 
-        b, order = self._binding(calls, host_logits, hidden)
+        b, order, state = self._binding(calls, host_logits, hidden)
         b.bind_cpu_input("input_ids", ids)
         if self.model.position_ids(0, 1) is not None:
             b.bind_cpu_input("position_ids", positions)
@@ -99,7 +99,7 @@ class BatchedRunner:
         if self.io.argmax_in_graph:
             b.bind_output("next_tokens", "cpu")
         self.session.run_with_iobinding(b)
-        outs = dict(zip(order, b.get_outputs()))
+        outs = dict(zip(order[state:], outputs_after(b, state)))  # the state's outputs are its own buffers
 
         logits = outs["logits"].numpy() if host_logits else None
         best = outs["next_tokens"].numpy() if self.io.argmax_in_graph else logits.argmax(axis=-1)
@@ -116,25 +116,26 @@ class BatchedRunner:
         return results
 
     def _binding(self, calls: list[Call], host_logits: bool, hidden: bool):
-        """The binding of these sequences' state at their keys, made on first use and kept (module doc), with the
-        names of every output in the order get_outputs() returns them. It holds the contexts, so that their ids
-        (part of the key) stay theirs."""
+        """The binding of these sequences' state at their keys, made on first use and kept (module doc), the names
+        of every output in the order the run returns them, and how many of them are the state's. It holds the
+        contexts, so that their ids (part of the key) stay theirs."""
         key = (tuple((id(c.ctx), c.keys) for c in calls), host_logits, hidden)
         entry = self._bindings.get(key)
         if entry is not None:
             self._bindings.move_to_end(key)
-            return entry[0], entry[1]
+            return entry[:3]
         b = self.session.io_binding()
         order: list[str] = []
         for r, c in enumerate(calls):
             for store, k in zip(c.ctx.stores, c.keys):
                 order += store.bind(b, k, suffix=row_name("", r))
+        state = len(order)
         order += [row_name(self.packed, r) for r in range(len(calls))] if self.packed else []
         order += self.extra + (["logits"] if host_logits else []) + (["next_tokens"] if self.io.argmax_in_graph else [])
-        self._bindings[key] = (b, order, [c.ctx for c in calls])
+        self._bindings[key] = (b, order, state, [c.ctx for c in calls])
         if len(self._bindings) > CACHED:
             self._bindings.popitem(last=False)
-        return b, order
+        return b, order, state
 
 
 def attention_lengths(calls: list[Call], t: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -4,6 +4,7 @@ the MTP head's on the fixed-address path)."""
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 
 from ..state import allocate
 
@@ -43,3 +44,12 @@ class GraphIO:
                 outs[name] = allocate(dims, dt, device, 0)
                 b.bind_ortvalue_output(name, outs[name])
         return outs
+
+
+def outputs_after(binding: ort.IOBinding, first: int) -> list[ort.OrtValue]:
+    """The outputs of a run from index `first` on, in binding order. IOBinding.get_outputs() wraps every bound output
+    in a Python OrtValue: with 16 sequences' state bound, 800 of them per step, where a batched forward reads only
+    the few bound after the state (runners/batched.py)."""
+    raw = binding._iobinding.get_outputs()  # onnxruntime's own get_outputs reads the same vector
+    return [ort.OrtValue(raw[i], session=binding._session if raw[i]._is_webgpu_buffer() else None)
+            for i in range(first, len(raw))]
