@@ -174,6 +174,53 @@ def test_json_object(served):
         assert text.startswith("{")
 
 
+def test_a_finished_request_frees_its_grammar(served, monkeypatch):
+    """A constrained request's Constraint (its llguidance matcher holds native memory Python's collector does not
+    see) is freed when the request ends, by reference counting: nothing in a finished job's objects makes a cycle
+    (a ToolStream that pointed back at its job kept every job until a full collection, and the load run's memory
+    grew with them: docs/benchmarks/serving.md). And the worker closes it as the generation ends."""
+    import gc
+    import weakref
+
+    from snapspec.cli import openai_tools
+
+    client, made = served["client"], []
+    build = openai_tools.constraint
+
+    def recorded(worker, s):
+        c = build(worker, s)
+        made.append(c)
+        return c
+
+    def requests():
+        client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=40)
+        list(client.chat.completions.create(model="tiny", messages=ASK, tools=[TIME], tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=40, stream=True))
+        client.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"},
+                                       max_tokens=16)
+
+    monkeypatch.setattr(openai_tools, "constraint", recorded)
+    requests()  # held here: each closed by the worker once its generation ended
+    assert len(made) == 3 and all(c.matcher is None and c.grammar._first is None for c in made)
+    made.clear()
+    gc.collect()
+    gc.disable()  # a cycle would keep them until the next collection
+    try:
+        requests()
+        refs = [weakref.ref(c) for c in made]
+        made.clear()
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=2)  # the slot's drafter lets go of
+        # the last generation's state (its Constraint among them) when the next one starts
+        for _ in range(100):  # the server thread lets go of the last job just after its response
+            if not any(r() is not None for r in refs):
+                break
+            time.sleep(0.05)
+        assert len(refs) == 3 and all(r() is None for r in refs), "a finished request's Constraint is still alive"
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("body,param", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

@@ -160,9 +160,12 @@ def constraint(worker, s):
 def parse_calls(job, text: str, cut: bool = False) -> tuple[str, list[dict]] | None:
     """(content, OpenAI tool_calls) when the reply calls tools; None otherwise (and when the calls are malformed).
     cut: the generation did not end by itself (ToolFormat.parse keeps the complete calls)."""
+    return _parse(job.settings, job.tool_format, text, cut)
+
+
+def _parse(s, fmt, text: str, cut: bool) -> tuple[str, list[dict]] | None:
     from snapspec.runtime.tool_calls import new_call_id
 
-    s, fmt = job.settings, job.tool_format
     if not s.tools or s.tool_choice == "none" or fmt is None:
         return None
     parsed = fmt.parse(text, {t["name"] for t in s.tools}, cut=cut)
@@ -185,22 +188,20 @@ def message(job, text: str, finish: str, cut: bool = False) -> tuple[dict, str]:
 
 class ToolStream:
     """Streamed text with tool calls held back: text before the first call tag goes out as it comes (less a tail
-    that could be the tag's beginning); from the tag on it waits for the end, where `finish` parses it."""
+    that could be the tag's beginning); from the tag on it waits for the end, where `finish` parses it.
+
+    It keeps the job's settings and tool-call format, not the job: a job holds its ToolStream, and a reference back
+    would make a cycle that keeps every finished job (its Generator, its Constraint's native grammar state) until
+    Python's rare full collection (docs/benchmarks/serving.md, "Where the load run's memory grows")."""
 
     def __init__(self, job):
         fmt = job.tool_format
-        self.job = job
+        self.settings, self.tool_format = job.settings, fmt
         self.tag = fmt.start if (job.settings.tools and job.settings.tool_choice != "none" and fmt) else None
         self.text, self.sent, self.holding = "", 0, False
 
     def feed(self, piece: str) -> str:
-        """Take a piece; emit (job.emit) and return the text that may go out now."""
-        out = self._take(piece)
-        if out and hasattr(self.job, "emit"):
-            self.job.emit(out)
-        return out
-
-    def _take(self, piece: str) -> str:
+        """Take a piece; return the text that may go out now (the caller sends it)."""
         self.text += piece
         if self.tag is None:
             self.sent = len(self.text)
@@ -221,7 +222,7 @@ class ToolStream:
     def finish(self, text: str, cut: bool = False) -> tuple[str, list[dict] | None]:
         """(text not sent yet, tool_calls or None) at the end of the reply; text: the reply's final text; cut: as
         parse_calls."""
-        parsed = parse_calls(self.job, text, cut) if self.tag else None
+        parsed = _parse(self.settings, self.tool_format, text, cut) if self.tag else None
         if parsed is None:
             return text[self.sent:], None
         content, calls = parsed

@@ -163,7 +163,9 @@ class Worker(lifecycle.Admission):
             job.gen = gen
             job.stream = openai_tools.ToolStream(job)
             for piece in stream_text(gen):
-                job.stream.feed(piece)  # emits what may go out now (text before a tool call)
+                out = job.stream.feed(piece)  # what may go out now (text before a tool call)
+                if out:
+                    job.emit(out)
                 if job.cancelled:
                     gen.stop_reason = "shutdown" if job.shutdown else "cancelled"
                     break
@@ -186,6 +188,8 @@ class Worker(lifecycle.Admission):
             _log(f"{job.id} failed: {exc}")
             raise
         finally:
+            if job.constraint is not None:  # its grammar's native state, freed here rather than with the job
+                job.constraint.close()
             if self.scheduler is not None:
                 self.scheduler.leave()
             with self._lock:

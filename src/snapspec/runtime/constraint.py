@@ -126,6 +126,13 @@ class Constraint:
         self.only_stops = np.zeros(self.vocab, dtype=bool)
         self.only_stops[self.stops] = True
 
+    def close(self) -> None:
+        """Free the grammar state now (the matcher's native memory, the masks) rather than when the Constraint is
+        collected; a later begin() builds it again."""
+        self.matcher = None
+        self.grammar._first = None
+        self.done, self.cache = [], [None]
+
     def allowed(self, seq) -> np.ndarray:
         """The tokens that may follow seq (prompt + tokens), as a boolean row of the vocabulary."""
         tail = list(seq[self.start:])
