@@ -39,6 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int4_exactness import machine as cpu_and_commit, sh  # noqa: E402 (the lscpu and git lines, shared)
+
 PAIR_A = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "pair-a"
 # pair-a's target was trained on Python source without the standard library's asyncio, email, json and http
 # packages (its README): json and http are held-out text of the kind it models.
@@ -46,19 +49,9 @@ HELD_OUT = ("json", "http")
 PIECE = 512  # tokens per forward (the runtime's prefill chunk)
 
 
-def sh(*cmd: str) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        return ""
-
-
 def machine() -> dict:
-    pick = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in sh("lscpu").splitlines() if ":" in line)}
     import onnxruntime
-    return {"cpu": pick.get("Model name"), "cpus": pick.get("CPU(s)"), "onnxruntime": onnxruntime.__version__,
-            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": sh("git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD")}
+    return {**cpu_and_commit(), "onnxruntime": onnxruntime.__version__, "python": sys.version.split()[0]}
 
 
 def held_out_text() -> tuple[str, list[str]]:
