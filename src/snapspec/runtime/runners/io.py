@@ -50,6 +50,9 @@ def outputs_after(binding: ort.IOBinding, first: int) -> list[ort.OrtValue]:
     """The outputs of a run from index `first` on, in binding order. IOBinding.get_outputs() wraps every bound output
     in a Python OrtValue: with 16 sequences' state bound, 800 of them per step, where a batched forward reads only
     the few bound after the state (runners/batched.py)."""
-    raw = binding._iobinding.get_outputs()  # onnxruntime's own get_outputs reads the same vector
+    inner = getattr(binding, "_iobinding", None)  # what onnxruntime's own get_outputs reads (1.31 and 1.32)
+    if inner is None:  # another onnxruntime: the same values through the public call, all of them wrapped
+        return binding.get_outputs()[first:]
+    raw = inner.get_outputs()
     return [ort.OrtValue(raw[i], session=binding._session if raw[i]._is_webgpu_buffer() else None)
             for i in range(first, len(raw))]
