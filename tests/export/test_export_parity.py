@@ -302,8 +302,10 @@ def test_fp16(model_type, ort_model):
 def test_int4(model_type, ort_model, tiny_model):
     """int4 (block 16) against transformers running on the same weights quantized and dequantized by
     src/snapspec/export/quant.py: equal to RTOL when MatMulNBits keeps float32 activations (accuracy_level 0). The shipped graph
-    (accuracy_level 4: the CPU kernel quantizes activations to int8, with ISA-dependent rounding) must agree on
-    top-1 for >= 70% of positions (measured 0.875-0.97): a loose bound that still catches a broken layout.
+    (accuracy_level 4: the CPU kernel quantizes activations to int8, with ISA-dependent rounding) must stay within
+    a relative error of 0.5 and agree on top-1 for >= 50% of positions (measured 0.02-0.34 and 0.63-1.0 with the
+    searched scales, the low ends on the tiny MoE models, where int8 rounding flips expert choices; with round to
+    nearest 0.78-1.0): loose bounds that still catch a broken layout (relative error ~1, agreement near chance).
 
     Not compared with the fp32 model: on tiny random models int4 weight noise alone flips top-1 on most positions
     (measured agreement 0.13-0.63), so that comparison would test the model, not the export."""
@@ -315,8 +317,11 @@ def test_int4(model_type, ort_model, tiny_model):
     exact = OrtModel(shipped.manifest.folder, context=CONTEXT, forward_model=fp32_activations(shipped.manifest.folder))
     assert_close("int4 (float32 activations) logits vs dequantized transformers", run_sequence(exact, ids, 24),
                  expected, RTOL)
-    agree = (run_sequence(shipped, ids, 24).argmax(-1) == expected.argmax(-1)).mean()
-    assert agree >= 0.7, f"int4 top-1 agreement with dequantized transformers {agree:.2f} < 0.7"
+    got = run_sequence(shipped, ids, 24)
+    rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
+    assert rel < 0.5, f"int4 logits relative error against dequantized transformers {rel:.2f} >= 0.5"
+    agree = (got.argmax(-1) == expected.argmax(-1)).mean()
+    assert agree >= 0.5, f"int4 top-1 agreement with dequantized transformers {agree:.2f} < 0.5"
 
 
 @pytest.mark.parametrize("model_type, tied", [("qwen3_5_text", True), ("qwen3_5", False)])

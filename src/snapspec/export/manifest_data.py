@@ -60,6 +60,8 @@ def build(ckpt, module, spec, dec, dtype, quant, block_size, rollback_window, ct
         "export": {"dtype": dtype, "quant": quant, "float32_linear_attention": True,
                    "block_size": block_size if quant == "int4" else None,
                    "int4_accuracy_level": level if quant == "int4" else None,
+                   # how each block's scale and zero point were chosen (export/quant.py); absent before: "range"
+                   "int4_scales": "searched" if quant == "int4" else None,
                    "int4_exactness": _int4_exactness(block_size, level) if quant == "int4" else None,
                    "embedding_dtype": dec.embedding_storage,
                    "int4_note": f"embedding table stored as {dec.embedding_storage}"
