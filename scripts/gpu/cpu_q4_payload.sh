@@ -7,6 +7,8 @@
 #   (llguidance, prompt_toolkit, wcwidth, jinja2), llama-bin.tar.xz (../shared/peers/llama.cpp/bin, 4.6 MiB as xz),
 #   llama-src.tar.xz + convert.sh, pair-a/ (the tokenizer files benchmarks/checkpoints.py borrows), x/ (int4 exports
 #   made here: the demo pair demo-t4 / demo-d4)
+# NO_SRC=1 leaves src.tar out (the call's tree and OUT_DIR/p together must fit 64 MiB): the remote script then runs
+#   the working tree the call carries, from its root.
 # OUT_DIR/pa (~35 MiB): pair-a's int4 exports pa-t4 / pa-d4 (the target alone is 29 MiB, so it travels in a second call)
 # Then, with the machine warm between the two calls:
 #   run(carry [OUT_DIR/p]):  scripts/gpu/cpu_q4_remote.sh bench OUT_DIR/p $OUT
@@ -27,8 +29,8 @@ fi
 cp $work/ort-cpu.tar.xz $out/p/
 ls $out/p/wheels/*.whl >/dev/null 2>&1 ||
   pipdl $out/p/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6
-(cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' ':!benchmarks/models/*.safetensors') \
-  > $out/p/src.tar
+rm -f $out/p/src.tar; [ -n "${NO_SRC:-}" ] || (cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' \
+  ':!benchmarks/models/*.safetensors') > $out/p/src.tar
 git -C $repo log -1 --format='%h %s' | cut -c1-160 > $out/p/src.commit
 [ -e $out/p/llama-bin.tar.xz ] || tar cf - -C $L bin | xz -T2 -9 > $out/p/llama-bin.tar.xz
 cp $L/src/llama.cpp-b11312-seedfix.tar.xz $out/p/llama-src.tar.xz && cp $L/convert.sh $out/p/

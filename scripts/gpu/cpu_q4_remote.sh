@@ -33,7 +33,8 @@ bench)
   unpack_ort $p/ort-cpu.tar.xz
   rm -rf $G/deps $G/src $G/llama && mkdir -p $G/src $G/llama/src
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target $G/deps $p/wheels/*.whl || exit 1
-  tar xf $p/src.tar -C $G/src || exit 1
+  if [ -e $p/src.tar ]; then tar xf $p/src.tar -C $G/src || exit 1
+  else rmdir $G/src && ln -s "$PWD" $G/src; fi  # NO_SRC payload: the carried working tree (run from its root)
   xz -dc $p/llama-bin.tar.xz | tar x -C $G/llama || exit 1
   cp $p/llama-src.tar.xz $G/llama/src/llama.cpp-b11312-seedfix.tar.xz && cp $p/convert.sh $G/llama/ && chmod +x $G/llama/convert.sh
   export PYTHONPATH=$G/ortcpu:$G/deps:$G/src/src SNAPSPEC_COMMIT=$(cut -d' ' -f1 $p/src.commit)
