@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 from snapspec import SnapspecError, manifest
 
-from . import exactness, genai_folder, hugepages
+from . import exactness, genai_folder, hugepages, standard_ops
 from .cuda_graph import GraphSession
 from .providers import DEVICE, PROVIDERS, configure
 from .policy import graph_for
@@ -216,6 +216,8 @@ def _session(source, opts: ort.SessionOptions, providers: list[str] | None,
     path = Path(name or source)
     source = source if isinstance(source, bytes) else str(source)
     cpu = providers == [PROVIDERS["cpu"]]
+    if cpu:  # the slow contrib kernels as standard ops (runtime/standard_ops.py)
+        source = standard_ops.for_cpu(source, path, opts)
     try:
         with hugepages.while_loading() if cpu else contextlib.nullcontext():
             if providers is None:  # a plugin EP device was added to the options
