@@ -54,6 +54,9 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--parallel", type=_parallel, default="auto", metavar="N",
                    help="requests decoded together, each on a slot (a context) of its own, their steps in one forward "
                         f"(default auto: {PARALLEL_AUTO} where the model can batch, else 1; 1 serves one at a time)")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="skip the start-up run of the largest forwards (each onnxruntime session's memory then grows to "
+                        "its peak over the first requests instead of at start; served output is the same)")
     lifecycle.add_flags(p, at_least_one)  # --api-key, --max-queue, --max-tokens-cap, --max-body-bytes, --drain-timeout
     runtime_flags(p)
 
@@ -220,7 +223,8 @@ def run(args) -> int:
     defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
                     raw=args.no_chat_template, defaults=defaults, max_tokens_cap=args.max_tokens_cap,
-                    max_queue=args.max_queue, cache_ram=args.cache_ram, parallel=args.parallel)
+                    max_queue=args.max_queue, cache_ram=args.cache_ram, parallel=args.parallel,
+                    warm=not args.no_warm_up)
     key = lifecycle.api_key(args)
     sock = lifecycle.listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -231,6 +235,9 @@ def run(args) -> int:
          + f"); {_scheduling(worker)}; Ctrl-C or SIGTERM drains, a second one stops")
     if worker.parallel_note:
         _log(worker.parallel_note)
+    if worker.warmed:
+        _log(f"warmed up in {worker.warmed['seconds']:.1f} s: the largest forwards ran once, the contexts emptied "
+             "(--no-warm-up skips it)")
     if key is None and not lifecycle.loopback(host):
         lifecycle.warn(f"listening on {host}, beyond this machine, without an API key: anyone who reaches it can use "
                        "it (--api-key KEY or $SNAPSPEC_API_KEY)")

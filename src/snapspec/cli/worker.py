@@ -54,9 +54,10 @@ class Worker(lifecycle.Admission):
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
                  max_tokens_cap: int | None = None, max_queue: int | None = None, cache_ram: int = 0,
-                 parallel: int | str = 1):
+                 parallel: int | str = 1, warm: bool = True):
         """parallel: slots (requests decoded together), or "auto" (PARALLEL_AUTO where the model batches, else
-        1: `parallel_note` says why)."""
+        1: `parallel_note` says why). warm: run the largest forwards once before the first request, then empty the
+        contexts (runtime/warm.py: memory reaches its peak at start; served output is unchanged)."""
         from snapspec.runtime.chat import PromptCache
         from snapspec.runtime.prefix_cache import PrefixCache
         from snapspec.runtime.scheduler import Scheduler, batchable
@@ -81,6 +82,13 @@ class Worker(lifecycle.Admission):
             for slot in self.slots:
                 self.scheduler.attach(slot.tctx, slot.drafter)  # an MTP head's forwards too
             self.scheduler.warm(range(2, self.parallel + 1))  # the graphs for 2..N sequences, before any request
+        self.warmed = None
+        if warm:  # every session's arena at its peak now, not over the first requests (runtime/warm.py)
+            from snapspec.runtime.warm import warm as warm_up
+            self.warmed = warm_up([mark.ctx for slot in self.slots for mark in slot.marks], self.scheduler,
+                                  defaults.get("prefill_chunk"))
+            for slot in self.slots:
+                slot.reset()
         self._free = list(self.slots)
         drafter = self.cache.drafter  # each slot has its own draft source of this kind
         self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults

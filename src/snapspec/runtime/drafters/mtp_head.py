@@ -25,6 +25,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from ..cuda_graph import SKIP
+from ..runners.io import release
 from ..state.kv import KVCache
 
 _DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
@@ -113,6 +114,7 @@ class OnnxHead:
             b.bind_output(name, "cpu")
         self.session.run_with_iobinding(b, self._options)
         outs = dict(zip(order, b.get_outputs()))
+        release(b, order[len(self.kv.outputs):])  # the kept binding holds none of them past the run
         return HeadRows(outs["next_tokens"].numpy()[0].copy(),
                         outs["logits"].numpy()[0].copy() if logits else None,
                         outs["hidden_out"].numpy()[0].copy())

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..batched_graph import ROW, SEQLENS, TOTAL, row_name
-from .io import GraphIO, outputs_after
+from .io import GraphIO, outputs_after, release
 
 
 @dataclass
@@ -100,6 +100,7 @@ class BatchedRunner:
             b.bind_output("next_tokens", "cpu")
         self.session.run_with_iobinding(b)
         outs = dict(zip(order[state:], outputs_after(b, state)))  # the state's outputs are its own buffers
+        release(b, order[state:])
 
         logits = outs["logits"].numpy() if host_logits else None
         best = outs["next_tokens"].numpy() if self.io.argmax_in_graph else logits.argmax(axis=-1)

@@ -1,0 +1,58 @@
+"""Warm-up: run the largest forwards a server will run once, before its first request, then empty the contexts.
+
+onnxruntime gives each session a CPU arena (a BFC allocator) that never returns memory: it grows, region by region
+(1, 2, 4, ... MiB: power of two by power of two), whenever a forward needs more than its free chunks hold, up to the
+peak of the largest call that session runs (and what fragmentation adds on top). A server has several sessions per
+model: the one-sequence forward (prefill chunks and lone steps run there), the scheduler's graphs for 2..N sequences
+(runtime/scheduler.py) and a drafter model's. Without a warm-up each arena reaches its peak when the traffic first
+brings its largest call (a long prompt's full prefill chunk; the first step of N sequences at once), so a server's
+resident memory climbs for its first hundreds of requests (docs/benchmarks/serving.md, "Where the load run's memory
+grows"). Here each session meets its largest call at start:
+
+- every distinct model among the contexts: one prefill chunk (`chunk` tokens, the Generator's default), alone, at the
+  deepest position its context holds, keeping one row with logits (a prompt's last chunk);
+- with a scheduler: for each batch size 2..N, one forward of that many of the target's contexts, each of the rows the
+  scheduler batches at most (a verify of the deepest bounded draft), every row kept with logits
+  (Scheduler.warm_rows).
+
+The calls run on the contexts' own buffers with token 0; `reset` then empties every context (position 0, zero
+recurrent state), so what a request meets afterwards is what it meets without a warm-up: tests/serve/test_warm.py
+checks that served text is the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from .context import PREFILL_CHUNK
+
+log = logging.getLogger("snapspec")
+
+
+def warm(contexts: list, scheduler=None, chunk: int | None = None) -> dict:
+    """Run the largest calls once through every session these contexts (and the scheduler) use, then reset the
+    contexts. contexts: every context of every slot (target and drafter models'); scheduler: the target's, when
+    slots decode together. Returns what ran: {"alone": [(model folder name, rows)], "batched": [(sequences, rows)],
+    "seconds": wall time}."""
+    started = time.monotonic()
+    chunk = int(chunk or PREFILL_CHUNK)
+    done: dict = {"alone": [], "batched": []}
+    seen: set[int] = set()
+    for ctx in contexts:
+        if id(ctx.model) in seen:
+            continue
+        seen.add(id(ctx.model))
+        t = min(chunk, ctx.max_len)
+        ids = np.zeros((1, t), dtype=np.int64)
+        ctx.bound.forward(ctx.keys(), ids, ctx.max_len - t, 1, True)
+        done["alone"].append((ctx.model.folder.name, t))
+    if scheduler is not None:
+        done["batched"] = scheduler.warm_rows([c for c in contexts if c.batch is scheduler])
+    for ctx in contexts:
+        ctx.reset()
+    done["seconds"] = time.monotonic() - started
+    log.info("warm-up: %s in %.1f s", done, done["seconds"])
+    return done
