@@ -147,14 +147,13 @@ class Scheduler:
 
     def warm_rows(self, contexts: list) -> list[tuple[int, int]]:
         """One forward for each batch size 2..len(contexts) (runtime/warm.py): the first n contexts, each with the
-        most rows a call that joins others has (`_short`), at the deepest position it holds, every row kept with
-        logits. Before any sequence joins; the caller resets the contexts. Returns the (sequences, rows) run."""
+        most rows a call that joins others has (`_short`), from position 0, every row kept with logits. Before any sequence joins; the caller resets the contexts. Returns the (sequences, rows) run."""
         done = []
         for n in range(2, len(contexts) + 1):
             calls = []
             for ctx in contexts[:n]:
-                t = min(self._short(ctx), ctx.max_len)
-                calls.append(Call(ctx, ctx.keys(), np.zeros(t, dtype=np.int64), ctx.max_len - t, t, True))
+                t = min(self._short(ctx), ctx.max_len - 1)
+                calls.append(Call(ctx, ctx.keys(), np.zeros(t, dtype=np.int64), 0, t, True))
             self._runner(n).forward(calls)
             done.append((n, max(len(c.ids) for c in calls)))
         return done

@@ -9,11 +9,14 @@ brings its largest call (a long prompt's full prefill chunk; the first step of N
 resident memory climbs for its first hundreds of requests (docs/benchmarks/serving.md, "Where the load run's memory
 grows"). Here each session meets its largest call at start:
 
-- every distinct model among the contexts: one prefill chunk (`chunk` tokens, the Generator's default), alone, at the
-  deepest position its context holds, keeping one row with logits (a prompt's last chunk);
+- every distinct model among the contexts: one prefill chunk (`chunk` tokens, the Generator's default), alone, from
+  position 0, keeping one row with logits (a long prompt's first chunk);
 - with a scheduler: for each batch size 2..N, one forward of that many of the target's contexts, each of the rows the
   scheduler batches at most (a verify of the deepest bounded draft), every row kept with logits
   (Scheduler.warm_rows).
+
+Position 0, not the deepest: the CPU attention kernel sizes its scratch by the KV buffer's length, not the position,
+and a deeper start would fail on a graph whose rotary table is shorter than the context it was exported for.
 
 The calls run on the contexts' own buffers with token 0; `reset` then empties every context (position 0, zero
 recurrent state), so what a request meets afterwards is what it meets without a warm-up: tests/serve/test_warm.py
@@ -45,9 +48,9 @@ def warm(contexts: list, scheduler=None, chunk: int | None = None) -> dict:
         if id(ctx.model) in seen:
             continue
         seen.add(id(ctx.model))
-        t = min(chunk, ctx.max_len)
+        t = min(chunk, ctx.max_len - 1)  # a prompt leaves room for one new token
         ids = np.zeros((1, t), dtype=np.int64)
-        ctx.bound.forward(ctx.keys(), ids, ctx.max_len - t, 1, True)
+        ctx.bound.forward(ctx.keys(), ids, 0, 1, True)
         done["alone"].append((ctx.model.folder.name, t))
     if scheduler is not None:
         done["batched"] = scheduler.warm_rows([c for c in contexts if c.batch is scheduler])

@@ -1,0 +1,114 @@
+"""The serve Worker's start-up warm-up (runtime/warm.py) and the kept bindings' release of their outputs
+(runners/io.release): the warm-up runs the largest forwards once through every session and leaves no state behind,
+so requests served after it get the tokens they get without it, bit for bit; no kept IOBinding holds its last run's
+outputs (in onnxruntime's arena) once the run returned. The memory these save is measured in benchmarks
+(docs/benchmarks/serving.md, "Where the load run's memory grows"), not here."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from snapspec.cli.worker import Worker
+from snapspec.runtime.state import host_array
+
+PROMPTS = ["tell me about the sea", "abc " * 9, "why?", "a longer question about rivers and their mouths " * 3]
+
+
+@pytest.fixture(scope="module")
+def target(chat_export):
+    return chat_export("qwen3_5_text", "lfm2")
+
+
+def _worker(target, drafter, parallel: int, warm: bool) -> Worker:
+    from snapspec.cli.main import build_parser
+    from snapspec.cli.options import generation_kwargs, load_models
+
+    flags = ["serve", "--target", str(target), "--threads", "1", "--cache-ram", "0", "--parallel", str(parallel)]
+    args = build_parser().parse_args(flags + (["--drafter", drafter, "--draft-max", "3"] if drafter else []))
+    t, d = load_models(args, args.target, args.drafter)
+    return Worker(t, d, model_id="m", context=None, raw=False, defaults=generation_kwargs(args, t, d),
+                  parallel=args.parallel, warm=warm)
+
+
+def _serve_all(worker: Worker) -> list[list[int]]:
+    """Every prompt on its own slot, the slots decoding together (as the worker's threads run them)."""
+    out: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        slot = worker.slots[i % len(worker.slots)]
+        if worker.scheduler is not None:
+            worker.scheduler.join()
+        try:
+            gen = slot.generator(worker.door.chat([{"role": "user", "content": PROMPTS[i]}]), max_new_tokens=10)
+            for _ in gen:
+                pass
+            out[i] = list(gen.tokens)
+        finally:
+            if worker.scheduler is not None:
+                worker.scheduler.leave()
+
+    for first in range(0, len(PROMPTS), len(worker.slots)):
+        threads = [threading.Thread(target=one, args=(i,))
+                   for i in range(first, min(first + len(worker.slots), len(PROMPTS)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    return [out[i] for i in range(len(PROMPTS))]
+
+
+def _close(worker: Worker) -> None:
+    worker.executor.shutdown(wait=True)
+    if worker.scheduler is not None:
+        worker.scheduler.close()
+
+
+@pytest.mark.parametrize("parallel,drafter", [(1, None), (3, None), (3, "ngram")])
+def test_served_tokens_with_the_warm_up_equal_those_without(target, parallel, drafter):
+    cold = _worker(target, drafter, parallel, warm=False)
+    try:
+        assert cold.warmed is None
+        expected = _serve_all(cold)
+    finally:
+        _close(cold)
+    warm = _worker(target, drafter, parallel, warm=True)
+    try:
+        window = warm.slots[0].tctx.depth + 1
+        assert warm.warmed["alone"] == [(target.name, min(512, warm.slots[0].tctx.max_len - 1))]
+        assert warm.warmed["batched"] == [(n, window) for n in range(2, parallel + 1)]
+        for slot in warm.slots:  # nothing left behind: every context empty, the state it starts from zero
+            for mark in slot.marks:
+                ctx = mark.ctx
+                assert ctx.n_past == 0 and ctx.tokens == [] and mark.tokens is None
+                start = ctx.recurrent.slots[ctx.recurrent.key(0)[0]]
+                assert not any(host_array(v).any() for v in start.values())
+        assert _serve_all(warm) == expected
+    finally:
+        _close(warm)
+
+
+def test_kept_bindings_hold_no_outputs_after_a_run(target):
+    """The bound and batched runners keep one IOBinding per state-key combination; after each run the outputs
+    onnxruntime allocated for it (rollback data, hidden rows, logits, next tokens) belong to the caller only."""
+    worker = _worker(target, None, 2, warm=True)
+    try:
+        _serve_all(worker)
+        runners = [ctx.bound for slot in worker.slots for ctx in (m.ctx for m in slot.marks)]
+        runners += list(worker.scheduler._runners.values())
+        checked = 0
+        for runner in runners:
+            for entry in runner._bindings.values():
+                b, order = entry[0], entry[1]
+                # the per-call outputs follow the state's: a batched entry says where; a bound one ends with them
+                first = entry[2] if len(entry) > 2 else len(order) - len(runner._extra) - sum(
+                    n in order for n in ("logits", "next_tokens"))
+                raw = b._iobinding.get_outputs()
+                held = [raw[i] for i in range(first, len(raw))]
+                assert held and not any(value.is_tensor() for value in held), \
+                    f"a kept binding still holds outputs of its last run: {order[first:]}"
+                checked += 1
+        assert checked > 0
+    finally:
+        _close(worker)
