@@ -133,3 +133,12 @@ def test_greedy_speculation_still_equals_plain(model_type, tiny_export):
     target, drafter = load(folder), load(folder, role="drafter")
     failed = [c for c in contract.run_checks(target, drafter, new_tokens=12) if not c.passed]
     assert not failed, [(c.name, c.detail) for c in failed]
+
+
+def test_other_forms_of_the_conv_run_as_exported():
+    """onnxruntime-genai's builder writes the conv channels first: it is left to the contrib kernel."""
+    model, _ = conv_graph(16, 4, "silu", False)
+    for a in model.graph.node[0].attribute:
+        if a.name == "channels_last":
+            a.i = 0
+    assert [n.op_type for n in standard_ops.rewrite(model).graph.node] == ["CausalConvWithState"]

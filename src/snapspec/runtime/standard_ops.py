@@ -53,11 +53,12 @@ def rewrite(model):
 
     for node in g.node:
         weight = dims.get(node.input[1]) if len(node.input) > 1 else None
-        if node.domain == MS and node.op_type == "CausalConvWithState" and weight and len(weight) == 3:
+        if node.domain == MS and node.op_type == "CausalConvWithState" and weight and len(weight) == 3 \
+                and _plain_conv(node):
             nodes += _conv(node, weight[2], const, helper)
         elif node.domain == MS and node.op_type == "GatedRMSNorm" and weight and len(weight) == 1:
             nodes += _gated_norm(node, weight[0], const, helper)
-        else:  # (a weight that is not an initializer: the op runs as exported)
+        else:  # a weight that is not an initializer, or another form of the conv: the op runs as exported
             nodes.append(node)
     del g.node[:]
     g.node.extend(nodes)
@@ -73,12 +74,20 @@ def _attr(node, name: str, default):
     return default
 
 
-def _conv(node, k: int, const, helper) -> list:
+def _activation(node) -> str:
     activation = _attr(node, "activation", "none")
-    activation = activation.decode() if isinstance(activation, bytes) else activation
-    if _attr(node, "channels_last", 0) != 1 or activation not in ("none", "silu"):
-        raise ValueError(f"{node.name}: CausalConvWithState with channels_last={_attr(node, 'channels_last', 0)} "
-                         f"and activation {activation!r} has no standard form here")
+    return activation.decode() if isinstance(activation, bytes) else activation
+
+
+def _plain_conv(node) -> bool:
+    """The form snapspec exports: channels last, no activation or silu, no state window (onnxruntime-genai's
+    builder writes channels first: those run as they are)."""
+    return (_attr(node, "channels_last", 0) == 1 and _activation(node) in ("none", "silu")
+            and not _attr(node, "state_window", 0))
+
+
+def _conv(node, k: int, const, helper) -> list:
+    activation = _activation(node)
     x, w, bias, state = (list(node.input) + ["", "", "", ""])[:4]
     y, present = (list(node.output) + ["", ""])[:2]
     p = f"{node.name}/std"
