@@ -61,10 +61,10 @@ def outputs_after(binding: ort.IOBinding, first: int) -> list[ort.OrtValue]:
 def release(binding: ort.IOBinding, names: list[str]) -> None:
     """Drop a kept binding's hold on the outputs onnxruntime allocated for its last run (binding each name afresh,
     unallocated; each call binds them again, on their device, before it runs): the caller's OrtValues keep what it
-    still reads. A binding kept for later calls (runners/bound.py,
-    batched.py) would otherwise hold them in the session's arena until its next run, for good once it is no longer
-    used: with up to CACHED bindings per runner, long-lived blocks scattered among the forward's temporaries, so the
-    arena grew by a region whenever a temporary found no free chunk large enough (docs/benchmarks/serving.md, "Where
-    the load run's memory grows")."""
+    still reads. A binding kept for later calls (runners/bound.py, batched.py, the MTP head's) would otherwise hold
+    them in the session's arena until its next run, or for good once it is not used again: with up to CACHED bindings
+    per batched runner, long-lived blocks scattered among the forward's temporaries, and the arena grew by a region
+    whenever a temporary found no free chunk large enough (docs/benchmarks/serving.md, "The arena's growth after
+    request 40")."""
     for name in names:
         binding.bind_output(name, "cpu")
