@@ -23,6 +23,7 @@ SNAPSPEC_STANDARD_OPS=0 keeps the contrib ops.
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -143,23 +144,66 @@ def _gated_norm(node, group: int, const, helper) -> list:
 
 def for_cpu(source, path, opts):
     """What a CPU session loads for `source` (a graph file's path, or a graph's bytes whose weights lie beside
-    `path`): the rewritten graph's bytes where it has an op rewritten here, else `source` as it is."""
-    import onnx
+    `path`): the rewritten graph's bytes where it has an op rewritten here, else `source` as it is.
 
+    A graph file is rewritten once per content: the result is kept in the user's cache (CACHE below, named by the
+    hash of the file and of this rewrite), so a later load neither parses nor imports onnx, whose import costs
+    about a second (tests/runtime/test_import_cost.py). Whether a file needs it is a byte search for the ops'
+    names. A cache that cannot be written is skipped."""
+    if os.environ.get("SNAPSPEC_STANDARD_OPS") == "0":
+        return source
+    if isinstance(source, bytes):  # made by another rewrite, which pointed `opts` at the weights already
+        import onnx
+        model = onnx.load_from_string(source)
+        return rewrite(model).SerializeToString() if wanted(model) else source
+    try:
+        if os.path.getsize(source) > 1 << 30:  # inline weights: not an export of ours, left as it is
+            return source
+        with open(source, "rb") as f:
+            data = f.read()
+    except OSError:  # a missing graph: onnxruntime's load says so
+        return source
+    if not any(op.encode() in data for op in REWRITTEN):
+        return source
     from .exactness import EXTERNAL_FOLDER
 
-    given = isinstance(source, bytes)  # then whoever made the bytes pointed `opts` at the weights already
+    cached = _cache() / f"{hashlib.sha256(VERSION + data).hexdigest()[:32]}.onnx"
     try:
-        if given:
-            model = onnx.load_from_string(source)
-        elif os.path.getsize(source) > 1 << 30:  # inline weights: not an export of ours, left as it is
+        out = cached.read_bytes()
+    except OSError:
+        import onnx
+        try:
+            model = onnx.load_from_string(data)
+        except Exception:  # a corrupt graph: onnxruntime's load says what is wrong with it
             return source
-        else:
-            model = onnx.load(str(source), load_external_data=False)
-    except Exception:  # a missing or corrupt graph: onnxruntime's load says what is wrong with it
-        return source
-    if not wanted(model):
-        return source
-    if not given:
-        opts.add_session_config_entry(EXTERNAL_FOLDER, os.path.dirname(os.path.abspath(path)))
-    return rewrite(model).SerializeToString()
+        if not wanted(model):
+            return source
+        out = rewrite(model).SerializeToString()
+        _keep(cached, out)
+    opts.add_session_config_entry(EXTERNAL_FOLDER, os.path.dirname(os.path.abspath(path)))
+    return out
+
+
+VERSION = b"standard-ops 1\n"  # changes whenever rewrite() writes other nodes: old cached graphs are not reused
+
+
+def _cache():
+    from pathlib import Path
+    base = os.environ.get("SNAPSPEC_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "snapspec" / "cpu-graphs"
+
+
+def _keep(path, data: bytes) -> None:
+    """Write the cached graph whole or not at all (a temporary file renamed into place)."""
+    import tempfile
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except (OSError, UnboundLocalError):
+            pass
