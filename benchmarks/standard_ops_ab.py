@@ -2,7 +2,7 @@
 the contrib kernels as exported (SNAPSPEC_STANDARD_OPS=0), in one run, alternating.
 
     python benchmarks/standard_ops_ab.py --target W/qwen35-0.8b-int4 --threads 2 --rounds 4 \
-        --json benchmarks/results/cpu/standard-ops-ab-avx2.json
+        --json benchmarks/results/cpu/standard-ops-ab-qwen35-0.8b-int4-avx2.json
 
 Each measurement is a fresh process (the variable is read at load) that loads the folder, warms up, then times a
 prefill of --prompt tokens (one forward, the runtime's chunk) and --decode greedy tokens after it; the two settings
