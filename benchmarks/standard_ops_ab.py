@@ -95,9 +95,10 @@ def ops_alone(folder: Path, threads: int, prompt: int) -> dict:
         model = helper.make_model(g, opset_imports=list(m.opset_import))
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
-        sessions = {"contrib": ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]),
+        cpu = ["CPUExecutionProvider"]
+        sessions = {"contrib": ort.InferenceSession(model.SerializeToString(), opts, providers=cpu),
                     "standard": ort.InferenceSession(standard_ops.rewrite(model).SerializeToString(), opts,
-                                                     providers=["CPUExecutionProvider"])}
+                                                     providers=cpu)}
         row = {"shape": shape}
         for t in (1, prompt):
             f = feeds(t)

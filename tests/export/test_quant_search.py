@@ -40,6 +40,7 @@ def test_no_block_has_more_error_than_range_rounding(block):
     packed, scales, zeros = quantize_int4(w, block)
     ours = block_error(w, dequantize_int4(packed, scales, zeros, w.shape[1]), block)
     before = block_error(w, range_rounding(w, block), block)
+    # slack for float32 rounding: the search compares gains in float32, the test sums errors in float64
     assert np.all(ours <= before * (1 + 1e-5) + 1e-12), np.max(ours - before)
     assert ours.sum() < 0.95 * before.sum(), ours.sum() / before.sum()  # measured 0.87-0.92
 

@@ -55,8 +55,8 @@ def add_parser(sub, runtime_flags):
                    help="requests decoded together, each on a slot (a context) of its own, their steps in one forward "
                         f"(default auto: {PARALLEL_AUTO} where the model can batch, else 1; 1 serves one at a time)")
     p.add_argument("--no-warm-up", action="store_true",
-                   help="skip the start-up run of the largest forwards (each onnxruntime session's memory then grows to "
-                        "its peak over the first requests instead of at start; served output is the same)")
+                   help="skip the start-up run of the largest forwards (each onnxruntime session's memory then grows "
+                        "to its peak over the first requests instead of at start; served output is the same)")
     lifecycle.add_flags(p, at_least_one)  # --api-key, --max-queue, --max-tokens-cap, --max-body-bytes, --drain-timeout
     runtime_flags(p)
 

@@ -147,7 +147,8 @@ class Scheduler:
 
     def warm_rows(self, contexts: list) -> list[tuple[int, int]]:
         """One forward for each batch size 2..len(contexts) (runtime/warm.py): the first n contexts, each with the
-        most rows a call that joins others has (`_short`), from position 0, every row kept with logits. Before any sequence joins; the caller resets the contexts. Returns the (sequences, rows) run."""
+        most rows a call that joins others has (`_short`), from position 0, every row kept with logits. Before any
+        sequence joins; the caller resets the contexts. Returns the (sequences, rows) run."""
         done = []
         for n in range(2, len(contexts) + 1):
             calls = []

@@ -33,9 +33,8 @@ REWRITTEN = ("CausalConvWithState", "GatedRMSNorm")
 
 
 def wanted(model) -> bool:
-    """Whether `model` (an onnx ModelProto) has a node this module rewrites, and rewriting is on."""
-    return os.environ.get("SNAPSPEC_STANDARD_OPS") != "0" and any(
-        n.op_type in REWRITTEN and n.domain == MS for n in model.graph.node)
+    """Whether `model` (an onnx ModelProto) has a node this module rewrites."""
+    return any(n.op_type in REWRITTEN and n.domain == MS for n in model.graph.node)
 
 
 def rewrite(model):

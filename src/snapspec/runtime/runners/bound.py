@@ -61,8 +61,8 @@ class BoundRunner:
             b.bind_output("next_tokens", "cpu")
         self.session.run_with_iobinding(b, self._run_options)
         outs = dict(zip(order, b.get_outputs()))
-        if self._run_options is None:
-            release(b, order[len(order) - len(self._extra) - host_logits - self.io.argmax_in_graph:])
+        if self._run_options is None:  # the outputs bound for this call (above), not the state's
+            release(b, self._extra + ["logits"] * host_logits + ["next_tokens"] * self.io.argmax_in_graph)
         rows = outs["logits"].numpy()[0, -keep:] if host_logits else None
         if self.io.argmax_in_graph:
             best = outs["next_tokens"].numpy()[0, -keep:]
