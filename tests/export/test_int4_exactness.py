@@ -143,6 +143,81 @@ def test_pairable_cpu_runs_paired_rows(pairable, tiny_export, caplog):
     assert check.passed and not any(check.data.values()), check.detail  # bit for bit
 
 
+def _split_graph() -> onnx.ModelProto:
+    """A linear-attention layer's pattern: an in-projection (MatMulNBits, its result also a graph output, as the
+    rollback data is) split three ways; two parts go to nodes that mix rows (a sum over the rows, a Concat on the row
+    axis), the third through a Sigmoid into a second MatMulNBits."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    g1, g2 = (onnx.load_from_string(exactness.probe_graph(32, 4, k, n)).graph for k, n in ((64, 96), (32, 16)))
+    inits = [numpy_helper.from_array(numpy_helper.to_array(t), f"{t.name}{i}") for i, g in enumerate((g1, g2))
+             for t in g.initializer]
+    inits.append(numpy_helper.from_array(np.array([32, 32, 32], np.int64), "sizes"))
+    attrs = [{a.name: helper.get_attribute_value(a) for a in g.node[0].attribute} for g in (g1, g2)]
+    nodes = [helper.make_node("MatMulNBits", ["X", "B0", "scales0", "zero_points0"], ["Y"], domain="com.microsoft",
+                              **attrs[0]),
+             helper.make_node("Split", ["Y", "sizes"], ["a", "b", "c"], axis=-1, name="split_in"),
+             helper.make_node("ReduceSum", ["a"], ["sum_a"], keepdims=1, axes=None, noop_with_empty_axes=0),
+             helper.make_node("Concat", ["b", "b"], ["twice_b"], axis=1),
+             helper.make_node("Sigmoid", ["c"], ["gate"]),
+             helper.make_node("MatMulNBits", ["gate", "B1", "scales1", "zero_points1"], ["out"],
+                              domain="com.microsoft", **attrs[1])]
+    f = TensorProto.FLOAT
+    graph = helper.make_graph(nodes, "split", [helper.make_tensor_value_info("X", f, [1, "T", 64])],
+                              [helper.make_tensor_value_info(y, f, None) for y in ("Y", "sum_a", "twice_b", "out")],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+def test_pair_rows_pads_a_row_wise_node_only_where_that_saves_nodes():
+    """A row-wise node whose results are mostly cut back runs on its rows as exported: the Split costs the one Slice
+    before it that its input already has for the graph output (and a Pad of the part that goes on padded), not a
+    Slice after each part. Which nodes see the copied row changes; no output's bits do, at one row or three."""
+    import copy
+    import onnxruntime as ort
+    from snapspec.runtime import paired_rows
+
+    model = _split_graph()
+    every = copy.deepcopy(model)
+    paired_rows._rewrite(every, set())
+    trimmed = exactness.pair_rows(copy.deepcopy(model))
+
+    def added(g):
+        return sorted(n.op_type for n in g.graph.node if n.name.endswith(("/pair", "/unpair")))
+
+    assert added(every) == ["Pad", "Slice", "Slice", "Slice", "Slice"]
+    assert added(trimmed) == ["Pad", "Pad", "Slice", "Slice"]
+    split = next(n for n in trimmed.graph.node if n.op_type == "Split")
+    assert list(split.input)[0] == "Y" and list(split.output) == ["a", "b", "c"]
+    runs = [ort.InferenceSession(g.SerializeToString(), providers=["CPUExecutionProvider"]) for g in (every, trimmed)]
+    x = np.random.default_rng(4).standard_normal((1, 3, 64)).astype(np.float32)
+    for rows in (1, 3):
+        want, got = (r.run(None, {"X": x[:, :rows]}) for r in runs)
+        assert all(np.array_equal(w, g) for w, g in zip(want, got, strict=True)), rows
+
+
+@pytest.mark.parametrize("model_type", [MODEL, "lfm2"])
+def test_pair_rows_trimmed_keeps_an_exports_bits(model_type, pairable, tiny_export, monkeypatch):
+    """On a whole export, the rewrite that leaves some row-wise nodes unpadded gives the logits of the one that
+    pads every row-wise node it can, bit for bit: one-token steps and a 5-token forward."""
+    from snapspec.runtime import Policy, paired_rows
+
+    folder = tiny_export(model_type, quant="int4")
+    ids = [3, 9, 1, 7, 4]
+    new = runtime_model.load(folder, threads=1)
+    monkeypatch.setattr(exactness, "pair_rows", lambda m: paired_rows._rewrite(m, set()) and m)
+    old = runtime_model.load(folder, threads=1)
+    assert all(any("paired" in n for n in m.notes) for m in (new, old))
+    steps = [Policy(m).open(m, 64, "target") for m in (new, old)]
+    for t in ids:
+        a, b = (c.forward([t]).logits for c in steps)
+        assert np.array_equal(a, b)
+    assert np.array_equal(_logits(new, np.array([ids])), _logits(old, np.array([ids])))
+
+
 def test_inexact_cpu_runs_level_1(inexact, tiny_export, caplog):
     """Where the probe says level 4 is not bitwise, the folder's graph runs at level 1 (rewritten in memory: the
     folder stays as it was): the same logits, bit for bit, as the same weights exported at level 1; a k-token forward
