@@ -15,11 +15,12 @@ Rows are the second-to-last axis of a MatMulNBits input (the export's [B, T, K])
 axis is known to be the row axis: a MatMulNBits input, or an input that the op requires to have the shape of one that
 is already padded (SkipSimplifiedLayerNormalization's input and skip, GatedRMSNorm's input and gate).
 
-A row-wise node runs padded only where that saves a node: one whose every result is cut back (nothing padded reads
-it) runs on its rows as exported, when that needs no more cuts of its inputs than of its results. A Split of a
-linear-attention layer's in-projection into the conv's and the gates' inputs was 3 cuts after it, and is now the one
-cut before it that the projection already had (pair-a int4: 57 -> 30 Pad and Slice nodes, 613 -> 586 in the CPU
-graph of a one-token step).
+A row-wise node runs padded only where that saves nodes (`_saved_by_demoting`): running it on its rows as exported
+drops a Pad that only it reads and the Slice of each of its results that is cut back, and adds a Slice of each padded
+input not cut already and a Pad of each result that a padded node reads. In a linear-attention layer the
+in-projection's Split fed the conv and the gates (3 Slices after it) and the output norm's gate (which made the norm
+pad the recurrence's output too); now the Split and the norm run on their rows and one Pad sits before the
+out-projection (pair-a int4: 57 -> 30 Pad and Slice nodes, 613 -> 586 in the CPU graph of a one-token step).
 """
 
 from __future__ import annotations
