@@ -8,11 +8,12 @@ from user space), a replaced file gets a new inode, a truncation changes the siz
 a full hash. An edit below the filesystem (a flipped bit on the disk) moves none of them; `snapspec verify` hashes
 everything and is the check for that (docs/folder-format.md, "Integrity").
 
-The stamp is `.snapspec-stamp.json` in the folder when the folder is writable, else a file under
-$XDG_CACHE_HOME/snapspec/stamps/ (default ~/.cache) named by the hash of the folder's absolute path, so a read-only
-folder (a shared model store) is checked once per machine, not once per load. It is tied to the manifest's own
-checksum: a re-export, or a manifest edited by hand, leaves the old stamp unused. The stamp is not a security
-boundary: whoever can write the folder can rewrite the manifest's checksums too.
+The stamp is `.snapspec-stamp.json` in the folder when the folder is writable, else a file in `stamps/` of
+snapspec's cache (`snapspec.cache_root`: under $SNAPSPEC_CACHE, $XDG_CACHE_HOME or ~/.cache) named by the hash of
+the folder's absolute path, so a read-only folder (a shared model store) is checked once per machine, not once
+per load. It is tied to the manifest's own checksum: a re-export, or a manifest edited by hand, leaves the old
+stamp unused. The stamp is not a security boundary: whoever can write the folder can rewrite the manifest's
+checksums too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import logging
 import os
 import stat
 from pathlib import Path
+
+from snapspec import cache_root
 
 FILENAME = ".snapspec-stamp.json"
 FORMAT = "snapspec-stamp/1"
@@ -51,8 +54,7 @@ def writable(folder: Path) -> bool:
 
 def cache_dir() -> Path:
     """Where stamps of read-only folders go."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "snapspec" / "stamps"
+    return cache_root() / "stamps"
 
 
 def cache_path(folder: Path) -> Path:

@@ -126,6 +126,20 @@ def test_a_read_only_folder_loads_with_a_cache_stamp(folder, tmp_path, monkeypat
         folder.chmod(stat.S_IRWXU)
 
 
+def test_every_cache_is_under_one_root(tmp_path, monkeypatch):
+    """The stamps of read-only folders and the CPU graphs rewritten at load go where the demo's exports go:
+    $SNAPSPEC_CACHE first, else $XDG_CACHE_HOME (snapspec.cache_root)."""
+    from snapspec.runtime import standard_ops
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("SNAPSPEC_CACHE", str(tmp_path / "own"))
+    assert stamp.cache_dir() == tmp_path / "own" / "snapspec" / "stamps"
+    assert standard_ops._cache() == tmp_path / "own" / "snapspec" / "cpu-graphs"
+    monkeypatch.delenv("SNAPSPEC_CACHE")
+    assert stamp.cache_dir() == tmp_path / "xdg" / "snapspec" / "stamps"
+    assert standard_ops._cache() == tmp_path / "xdg" / "snapspec" / "cpu-graphs"
+
+
 def test_info_exits_1_on_damage(capsys, folder, tmp_path):
     out = tmp_path / "info.json"
     assert main(["info", str(folder), "--json", str(out)]) == 0

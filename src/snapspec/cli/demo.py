@@ -9,17 +9,12 @@ import json
 import os
 from pathlib import Path
 
-from snapspec import SnapspecError
+from snapspec import SnapspecError, cache_root
 
 
 def _demo_root() -> Path:
     import snapspec.demo
     return Path(snapspec.demo.__file__).parent
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("SNAPSPEC_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "snapspec"
 
 
 def exported_pair(log=print) -> tuple[Path, Path]:
@@ -31,7 +26,7 @@ def exported_pair(log=print) -> tuple[Path, Path]:
         if not (src / "config.json").exists():
             raise SnapspecError(f"the demo pair is missing from this installation ({src})")
         digest = hashlib.sha256(b"".join((src / f).read_bytes() for f in sorted(os.listdir(src)))).hexdigest()[:12]
-        out = cache_dir() / f"demo-{role}-{digest}"
+        out = cache_root() / f"demo-{role}-{digest}"
         if not _cached(out):
             try:
                 from snapspec.export import export

@@ -23,9 +23,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from snapspec import SnapspecError, manifest
+from snapspec import SnapspecError, cache_root, manifest
 
-from .demo import cache_dir
 from .options import MTP, web_drafter_arg
 
 ORT_VERSION = "1.30.0"
@@ -46,7 +45,7 @@ def page_dir() -> Path:
 def default_web_dir() -> Path:
     """Where `--install` puts the npm packages: $SNAPSPEC_WEB_DIR, else the snapspec cache folder's web/."""
     env = os.environ.get("SNAPSPEC_WEB_DIR")
-    return Path(env) if env else cache_dir() / "web"
+    return Path(env) if env else cache_root() / "web"
 
 
 def vendor_dirs(web_dir: Path | None = None) -> dict[str, Path]:

@@ -187,14 +187,14 @@ VERSION = b"standard-ops 1\n"  # changes whenever rewrite() writes other nodes: 
 
 
 def _cache():
-    from pathlib import Path
-    base = os.environ.get("SNAPSPEC_CACHE") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "snapspec" / "cpu-graphs"
+    from snapspec import cache_root
+    return cache_root() / "cpu-graphs"
 
 
 def _keep(path, data: bytes) -> None:
     """Write the cached graph whole or not at all (a temporary file renamed into place)."""
     import tempfile
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".partial-")
@@ -202,7 +202,5 @@ def _keep(path, data: bytes) -> None:
             f.write(data)
         os.replace(tmp, path)
     except OSError:
-        try:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
-        except (OSError, UnboundLocalError):
-            pass
