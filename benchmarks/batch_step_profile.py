@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--ep", default="cpu")
+    p.add_argument("--stepping", choices=["auto", "one", "threads"], default="auto",
+                   help="who runs the sequences' Python: the scheduler's thread (one) or a thread each (Batch)")
     p.add_argument("--ort-profile", type=Path, default=None, help="folder for onnxruntime's profile of the "
                    "largest N's batched graph (its node times by operator type are printed)")
     p.add_argument("--json", type=Path, default=None)
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
     rows = []
     for n in sizes:
         prompts = [target.encode(texts[i % len(texts)]) for i in range(n)]
-        batch = Batch(target, None, parallel=n, context=max(map(len, prompts)) + a.new + 16)
+        batch = Batch(target, None, parallel=n, context=max(map(len, prompts)) + a.new + 16, stepping=a.stepping)
         kw = dict(max_new_tokens=a.new, stop_at_eos=False)
         batch.generate(prompts, **kw)  # every graph made, every buffer touched
         calls.clear()
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
         wall = steps[-1][1] - since
         per = lambda x: round(1e3 * x / len(steps), 3)  # noqa: E731 (ms per step)
         forward, run_s = sum(end - start for start, end, _, _ in steps), sum(c[2] for c in steps)
-        row = {"sequences": n, "decode_forwards": len(steps), "ms_per_step": per(wall), "run_ms": per(run_s),
+        row = {"sequences": n, "stepping": batch.stepping, "decode_forwards": len(steps), "ms_per_step": per(wall), "run_ms": per(run_s),
                "runner_python_ms": per(forward - run_s), "outside_forward_ms": per(wall - forward),
                "tokens_per_s": round(n * a.new / total, 1)}
         rows.append(row)

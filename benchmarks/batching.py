@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=None, help="tokens per slot (default: longest prompt + new + 16)")
     p.add_argument("--reps", type=int, default=1, help="sequential/together pairs, alternated (A B A B ...)")
     p.add_argument("--ep", default="cpu", help="cpu or cuda")
+    p.add_argument("--stepping", choices=["auto", "one", "threads"], default="auto",
+                   help="who runs the sequences' Python: the scheduler's thread (one) or a thread each (Batch)")
     p.add_argument("--head-batching", choices=["on", "off"], default="on",
                    help="run the slots' MTP head calls in one forward (off: each head alone, as before)")
     p.add_argument("--json", type=Path, default=None)
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
 
     pair = Pair(target, drafter, length=context)
     scheduler = Scheduler(target, heads=a.head_batching == "on")
-    batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler)
+    batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler, stepping=a.stepping)
 
     def sequential():
         out, ttft = [], []
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
     batch.close()
     scheduler.close()
     result = {"cpu": cpu(), "ep": a.ep, "target": str(a.target), "drafter": a.drafter, "parallel": a.parallel,
-              "head_batching": a.head_batching,
+              "stepping": batch.stepping, "head_batching": a.head_batching,
               "prompts": len(prompts), "new": a.new, "threads": a.threads, "draft_max": a.draft_max, "runs": runs,
               "ratio_median": sorted(r["ratio"] for r in runs)[len(runs) // 2]}
     print(f"CPU: {result['cpu']}")

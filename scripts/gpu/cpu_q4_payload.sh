@@ -28,7 +28,7 @@ if [ ! -e $work/ort-cpu.tar.xz ]; then
 fi
 cp $work/ort-cpu.tar.xz $out/p/
 ls $out/p/wheels/*.whl >/dev/null 2>&1 ||
-  pipdl $out/p/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6
+  pipdl $out/p/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6 greenlet==3.5.6
 rm -f $out/p/src.tar; [ -n "${NO_SRC:-}" ] || (cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' \
   ':!benchmarks/models/*.safetensors') > $out/p/src.tar
 git -C $repo log -1 --format='%h %s' | cut -c1-160 > $out/p/src.commit

@@ -28,7 +28,7 @@ rm -f $out/c1/ort90.tar.xz.* $out/c2/ort90.tar.xz.*
 (cd $work && rm -f ort90.tar.xz.[0-9] && split -d -a 1 -b "${PART_MIB:-42}M" ort90.tar.xz ort90.tar.xz.)
 [ ! -e $work/ort90.tar.xz.2 ] || { echo "more than two parts: raise PART_MIB" >&2; exit 1; }
 cp $work/ort90.tar.xz.0 $out/c1/ && cp $work/ort90.tar.xz.1 $out/c2/
-pipdl $out/c2/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6
+pipdl $out/c2/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6 greenlet==3.5.6
 rm -f $out/c2/src.tar; [ -n "${NO_SRC:-}" ] || (cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' ':!benchmarks/models/*.safetensors') \
   > $out/c2/src.tar
 git -C $repo log -1 --format='%h %s' | cut -c1-160 > $out/c2/src.commit

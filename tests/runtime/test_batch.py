@@ -92,7 +92,7 @@ def test_batched_equals_alone(arch, quant, loaded):
         assert got[i] == alone(t, p, "ngram", draft_max=3, **kw), f"prompt {i} differs from its run alone"
     assert counters.sequences >= counters.forwards  # whether two met in a forward is timing: test_padded_forward
     sampled = [SamplingParams(temperature=0.9, top_p=0.95, seed=10 + i) for i in range(3)]
-    with Batch(t, parallel=3, context=CONTEXT) as b:
+    with Batch(t, parallel=3, context=CONTEXT, stepping="threads") as b:  # a thread per sequence (the greedy: one)
         seqs = [b.submit(p, sampling=s, **kw) for p, s in zip(ps, sampled)]
         got = [[tok for e in s for tok in e.tokens] for s in seqs]
     for i, (p, s) in enumerate(zip(ps, sampled)):
@@ -183,8 +183,9 @@ def test_random_arrivals_cancellations_and_sources(loaded, data):
     delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01, 0.05]), min_size=n, max_size=n), label="delays")
     cancel_after = data.draw(st.lists(st.sampled_from([None, None, 1, 3]), min_size=n, max_size=n), label="cancel")
     kw = dict(max_new_tokens=NEW, stop_at_eos=False, draft_max=3)
-    first = Batch(t, spec[sources[0]], parallel=2, context=CONTEXT)
-    second = Batch(t, spec[sources[1]], parallel=2, context=CONTEXT, scheduler=first.scheduler)
+    stepping = data.draw(st.lists(st.sampled_from(["one", "threads"]), min_size=2, max_size=2), label="stepping")
+    first = Batch(t, spec[sources[0]], parallel=2, context=CONTEXT, stepping=stepping[0])
+    second = Batch(t, spec[sources[1]], parallel=2, context=CONTEXT, scheduler=first.scheduler, stepping=stepping[1])
     batches = (first, second)
     results: dict[int, tuple[list[int], str]] = {}
 
@@ -216,6 +217,39 @@ def test_random_arrivals_cancellations_and_sources(loaded, data):
             assert got == solo[:len(got)], f"prompt {i} (cancelled) emitted tokens it does not emit alone"
         else:
             assert reason == "length" and got == solo, f"prompt {i} ({sources[which[i]]}) differs from alone"
+
+
+def test_one_thread_steps_every_sequence(loaded):
+    """stepping="one": the scheduler's thread runs every sequence (no thread of its own), so the decode steps of
+    three sequences are one forward each without waiting for a thread (the scheduler's patience is 30 s: one wait
+    would show), two more prompts join as slots free, and every token list equals the prompt's alone. "auto" keeps a
+    thread per sequence only where a slot drafts with a model; closing a Batch ends the prompts still waiting."""
+    t, d = loaded("qwen3_5"), loaded("qwen3_5_text")
+    ps = prompts(t.vocab_size, 5, seed=11)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False)
+    started = time.monotonic()
+    with Batch(t, parallel=3, context=CONTEXT, scheduler=Scheduler(t, patience=30.0), stepping="one") as b:
+        seqs = [b.submit(p, **kw) for p in ps]  # the last two wait for a free slot
+        names = {th.name for th in threading.enumerate()}
+        got = [[tok for e in s for tok in e.tokens] for s in seqs]
+        forwards = b.scheduler.counters.batched_forwards
+    assert time.monotonic() - started < 30, "a step waited for the scheduler's patience"
+    assert not any(n.startswith("snapspec-seq") for n in names), "a sequence got a thread of its own"
+    assert forwards >= NEW - 2  # every decode step of the three ran as one forward
+    for i, p in enumerate(ps):
+        assert got[i] == alone(t, p, **kw), f"prompt {i} differs from its run alone"
+    with Batch(t, d, parallel=2, context=CONTEXT, warm=False) as b:
+        assert b.stepping == "threads"
+    with Batch(t, "ngram", parallel=2, context=CONTEXT, warm=False) as b:
+        assert b.stepping == "one"
+    with pytest.raises(SnapspecError, match="stepping must be"):
+        Batch(t, parallel=2, context=CONTEXT, stepping="fibers")
+    b = Batch(t, parallel=1, context=CONTEXT, stepping="one", warm=False)
+    seqs = [b.submit(p, max_new_tokens=CONTEXT, stop_at_eos=False) for p in ps[:3]]
+    b.close()
+    for s in seqs:
+        with pytest.raises(SnapspecError, match="closed"):
+            s.result()
 
 
 def test_refusals(loaded, tiny_export):

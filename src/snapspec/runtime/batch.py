@@ -7,9 +7,10 @@
 
 A Batch holds `parallel` slots. A slot is a Pair (pair.py): the target's context and the slot's own draft source
 (a drafter model on a context of its own, an n-gram table, an MTP head), sized once for `context` tokens. A
-submitted prompt takes the first free slot and runs an ordinary Generator there, in a thread of its own; the
-slot's target context hands its forwards to one Scheduler (scheduler.py), which runs the slots' one-token steps and
-verifies in one forward. So each sequence has its own state, position, draft source and draft length, joins at the
+submitted prompt takes the first free slot and runs an ordinary Generator there; the slot's target context hands
+its forwards to one Scheduler (scheduler.py), which runs the slots' one-token steps and verifies in one forward. Each
+Generator runs in the scheduler's own thread, resumed after each forward (stepping.py; `stepping="one"`), or in a
+thread of its own (`stepping="threads"`, what "auto" picks where a slot drafts with a model). So each sequence has its own state, position, draft source and draft length, joins at the
 next step boundary, and leaves (finished, cancelled, failed) without touching the others; a prompt submitted while
 every slot is busy waits for the first to free. `snapspec serve --parallel N` runs its requests on one Batch's
 scheduler the same way (cli/serve.py).
@@ -21,8 +22,10 @@ prompt run alone).
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -84,14 +87,18 @@ class Sequence:
 class Batch:
     def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
                  window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True,
-                 scheduler: Scheduler | None = None):
+                 scheduler: Scheduler | None = None, stepping: str = "auto"):
         """drafter: what pair.make_drafter takes (each slot gets its own draft source: pair.slot_drafters);
         parallel: sequences at once; context: tokens each slot holds (default: the exports' max_context); warm: make
         the graphs for 2..parallel sequences now rather than at the first step that needs each; scheduler: another
         Batch's (its `scheduler`), to run this Batch's sequences in the same forwards as that one's (two draft
-        sources in one batch)."""
+        sources in one batch); stepping: "one" runs every sequence in the scheduler's thread (stepping.py),
+        "threads" gives each a thread of its own, "auto" is "threads" where a slot drafts with a model of its own
+        (its forwards then overlap other sequences' on the CPU's cores) and "one" otherwise."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
+        if stepping not in ("auto", "one", "threads"):
+            raise SnapspecError(f"stepping must be auto, one or threads, got {stepping!r}")
         self.target = target
         self.parallel = int(parallel)
         sources = slot_drafters(target, drafter, self.parallel)
@@ -111,6 +118,13 @@ class Batch:
             self.scheduler.warm(range(2, self.parallel + 1))
         self._count = 0
         self._lock = threading.Lock()
+        if stepping == "auto":  # a drafter model's context (Extras.context) runs forwards outside the scheduler
+            stepping = "threads" if any(p.drafter is not None and p.drafter.extras.context is not None
+                                        for p in self.pairs) else "one"
+        self.stepping = stepping
+        self._waiting: deque = deque()  # stepped sequences submitted, not started yet (no free slot)
+        if stepping == "one":
+            self.scheduler.steps.add_source(self._next)
 
     @property
     def context_length(self) -> int:
@@ -130,8 +144,13 @@ class Batch:
         prompt = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else \
             prompt_of(self.target, prompt, raw=raw, chat=chat, template_kwargs=template_kwargs)
         seq = Sequence(index)
-        threading.Thread(target=self._run, args=(seq, prompt, generation), daemon=True,
-                         name=f"snapspec-seq-{index}").start()
+        if self.stepping == "one":
+            with self._lock:
+                self._waiting.append((seq, prompt, generation))
+            self.scheduler.poke()
+        else:
+            threading.Thread(target=self._run, args=(seq, prompt, generation), daemon=True,
+                             name=f"snapspec-seq-{index}").start()
         return seq
 
     def run(self, prompts, **generation) -> Iterator[Event]:
@@ -161,6 +180,11 @@ class Batch:
     def close(self) -> None:
         if self._owns_scheduler:
             self.scheduler.close()
+        with self._lock:  # stepped sequences that never started end now, with the reason
+            waiting, self._waiting = list(self._waiting), deque()
+        for seq, _, _ in waiting:
+            _end(seq, Event(seq.index, [], "", done=True, stop_reason="error",
+                            error=SnapspecError("the batch was closed before this prompt started")))
 
     def __enter__(self) -> Batch:
         return self
@@ -168,9 +192,21 @@ class Batch:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- a sequence's thread ----------------------------------------------------------------------------------------
-    def _run(self, seq: Sequence, prompt, generation: dict) -> None:
-        pair = self._free.get()  # the first free slot; a new sequence joins at the next step boundary
+    # -- a sequence's thread (or its greenlet in the scheduler's thread) ------------------------------------------
+    def _next(self):
+        """The job of a stepped sequence that can start now (a slot is free), or None: the scheduler's thread asks."""
+        with self._lock:
+            if not self._waiting:
+                return None
+            try:
+                pair = self._free.get_nowait()
+            except queue.Empty:
+                return None
+            seq, prompt, generation = self._waiting.popleft()
+        return functools.partial(self._run, seq, prompt, generation, pair)
+
+    def _run(self, seq: Sequence, prompt, generation: dict, pair: Pair | None = None) -> None:
+        pair = pair or self._free.get()  # the first free slot; a new sequence joins at the next step boundary
         self.scheduler.join()
         gen, stop, error = None, None, None
         try:
@@ -186,10 +222,14 @@ class Batch:
             self.scheduler.leave()
             self._free.put(pair)
         stop = stop or (gen.stop_reason if gen is not None else "error")
-        seq.events.put(Event(seq.index, [], final_text(gen) if gen is not None else "", done=True,
-                             stop_reason=stop, stats=gen.stats if gen is not None else None, error=error))
-        seq.events.put(_DONE)
-        seq.finished.set()
+        _end(seq, Event(seq.index, [], final_text(gen) if gen is not None else "", done=True, stop_reason=stop,
+                        stats=gen.stats if gen is not None else None, error=error))
+
+
+def _end(seq: Sequence, last: Event) -> None:
+    seq.events.put(last)
+    seq.events.put(_DONE)
+    seq.finished.set()
 
 
 def _pump(seq: Sequence, out: queue.Queue) -> None:

@@ -1,8 +1,10 @@
 """The scheduler: one thread that runs the forwards of every sequence of one target model, several in one call.
 
-Each sequence runs its own Generator in a thread of its own (runtime/batch.py, the server's slots), on a context of
-its own; a context attached here (`attach`) hands each forward to the scheduler and waits for its result, so the
-Generator, its drafter, its rollback and its sampling are the ones a sequence alone runs. The scheduler waits until
+Each sequence runs its own Generator on a context of its own, in a thread of its own (the server's slots, a Batch
+with stepping="threads") or as a greenlet in the scheduler's thread (stepping.py: a Batch's default); a context
+attached here (`attach`) hands each forward to the scheduler and waits for its result (a stepped sequence switches
+back to the scheduler's loop, which resumes it after the forward), so the Generator, its drafter, its rollback and
+its sampling are the ones a sequence alone runs. The scheduler waits until
 every sequence that has joined has a forward pending (or `patience` has passed since the first: a sequence busy
 elsewhere does not stall the others for long), then runs them:
 
@@ -40,6 +42,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from .batched_graph import batched
+from . import stepping
 from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result
 from .runners.batched_head import BatchedHead, HeadCall, head_batchable
@@ -55,6 +58,7 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     result: object = None
     error: BaseException | None = None
+    stepper: object = None  # the sequence's greenlet when the scheduler's thread steps it (stepping.py)
 
 
 @dataclass
@@ -90,6 +94,8 @@ class Scheduler:
         self._pending: list[_Pending] = []
         self._live = 0
         self._closed = False
+        self._poked = False
+        self.steps = stepping.Steps()  # sequences stepped in this scheduler's thread (Batch(stepping="one"))
         self._thread = threading.Thread(target=self._loop, name="snapspec-scheduler", daemon=True)
         self._thread.start()
 
@@ -178,12 +184,17 @@ class Scheduler:
         return self._submit(_Pending(call, alone=len(call.ids) > self._rows, head=True))
 
     def _submit(self, p: _Pending):
-        with self._cv:
+        if stepping.stepped(self.steps):  # this thread is the scheduler's: back to its loop until the forward ran
             if self._closed:
                 raise SnapspecError("the scheduler is closed")
-            self._pending.append(p)
-            self._cv.notify_all()
-        p.done.wait()
+            stepping.wait(p)
+        else:
+            with self._cv:
+                if self._closed:
+                    raise SnapspecError("the scheduler is closed")
+                self._pending.append(p)
+                self._cv.notify_all()
+            p.done.wait()
         if p.error is not None:
             raise p.error
         return p.result
@@ -194,13 +205,25 @@ class Scheduler:
         return max(1, ctx.depth + 1)
 
     # -- the scheduler's thread -------------------------------------------------------------------------------------
+    def poke(self) -> None:
+        """A stepped sequence may start (stepping.Steps sources): the loop asks its sources at once."""
+        with self._cv:
+            self._poked = True
+            self._cv.notify_all()
+
     def _loop(self) -> None:
+        resumed: list[_Pending] = []  # the next forwards of the stepped sequences just resumed
         while True:
+            fresh = self.steps.start()  # stepped sequences that can start run up to their first forward
             with self._cv:
-                first = None
+                self._pending += resumed + fresh
+                self._poked = False
+                first, todo = None, None
                 while True:
                     if self._closed and not self._pending:
                         return
+                    if self._poked:  # a new stepped sequence: start it before this step
+                        break
                     if self._pending:
                         first = first or time.monotonic()
                         waited = time.monotonic() - first
@@ -209,6 +232,9 @@ class Scheduler:
                         self._cv.wait(self.patience - waited)
                     else:
                         self._cv.wait()
+                if self._poked and (len(self._pending) < self._live or not self._pending):
+                    resumed = []
+                    continue
                 todo = self._pending
                 heads = [p for p in todo if p.head]
                 if heads and len(heads) < len(todo) and len(todo) >= self._live:
@@ -223,6 +249,7 @@ class Scheduler:
                 log.error("grouping forwards failed (%s): running them one by one", exc)
             for group in groups:
                 self._run(group)
+            resumed = [q for p in todo if p.stepper is not None for q in self.steps.resume(p)]
 
     def _groups(self, todo: list[_Pending]) -> list[list[_Pending]]:
         """Alone: long calls. Together: short calls whose contexts can roll padding back and have buffers of one
