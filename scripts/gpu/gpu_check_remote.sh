@@ -11,6 +11,11 @@
 #   scripts/gpu/gpu_check_remote.sh profile C2 OUT    as batch, but where a decode step's time goes at 1, 4 and 16
 #                                                     sequences (benchmarks/batch_step_profile.py; PA_ONLY=1: pair-a's
 #                                                     shape only)
+#   scripts/gpu/gpu_check_remote.sh stepping C2 OUT   as batch, with each sequence's Python stepped in the scheduler's
+#                                                     thread and in a thread of its own (Batch(stepping=...)): the
+#                                                     decode step split at 1 and 16 sequences, and 16 together against
+#                                                     one at a time (pair-a's shape 256 new tokens, the 4B shape 64 and
+#                                                     256)
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -28,7 +33,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|batch|profile)
+run|batch|profile|stepping)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -60,7 +65,7 @@ PY
   } 2>&1 | tee $out/env.txt
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
   cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
-  [ $cmd = profile ] || for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
+  [ $cmd = batch ] && for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
   [ -n "${DIAG_ONLY:-}" ] && exit
   python3 - <<'PY' 2>&1 | tail -3
 import shutil, torch, os
@@ -78,6 +83,21 @@ PY
     if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
+    if [ $cmd = stepping ]; then
+      for st in threads one; do
+        python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 1,16 --new 64 \
+          --prompts $c2/prompts.jsonl --stepping $st 2>&1 | grep '^{' | tee -a $out/step-profile-h200-$shape.txt
+      done
+      for st in one threads; do
+        python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 --new $new \
+          --prompts $c2/prompts.jsonl --stepping $st --reps $([ $st = one ] && echo 2 || echo 1) --json $out/batch-h200-$shape-$st-new$new.json 2>&1 |
+          tail -4 | tee -a $out/batch-h200-$shape.txt
+      done
+      [ $shape = 4b ] && python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
+        --new 256 --prompts $c2/prompts.jsonl --stepping one --reps 1 --json $out/batch-h200-$shape-one-new256.json \
+        2>&1 | tail -4 | tee -a $out/batch-h200-$shape.txt
+      continue
+    fi
     if [ $cmd = profile ]; then
       python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 1,4,16 --new 64 \
         --prompts $c2/prompts.jsonl --json $out/batch-profile-h200-$shape.json 2>&1 | tee $out/batch-profile-h200-$shape.txt
