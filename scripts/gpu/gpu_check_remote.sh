@@ -16,6 +16,7 @@
 #                                                     decode step split at 1 and 16 sequences, and 16 together against
 #                                                     one at a time (pair-a's shape 256 new tokens, the 4B shape 64 and
 #                                                     256)
+#                                                     SHAPES=pa|4b (any mode here): one of the two shapes
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -78,7 +79,7 @@ for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
     shutil.copy(f"{src}/{f}", dst)
 print("pair-a shape written")
 PY
-  for shape in pa 4b; do
+  for shape in ${SHAPES:-pa 4b}; do  # SHAPES=pa or SHAPES=4b: one shape per call
     ck=/tmp/gc/pa-shape; new=256
     if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
