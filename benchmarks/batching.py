@@ -80,6 +80,13 @@ def main(argv=None) -> int:
     scheduler = Scheduler(target, heads=a.head_batching == "on")
     batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler, stepping=a.stepping)
 
+    costs = None
+    if draft_max == "auto":  # one cost model for both modes, measured before the timed runs (Batch.calibrate)
+        costs = batch.calibrate()
+        kw["costs"] = costs
+        print(f"cost model: C(1..{len(costs.C)}) = {[round(x, 2) for x in costs.C]}, c = {costs.c:.3f}, "
+              f"r = {costs.r:.3f}" if costs else "cost model: none", flush=True)
+
     def sequential():
         out, ttft = [], []
         start = time.perf_counter()

@@ -58,6 +58,7 @@ class Worker(lifecycle.Admission):
         """parallel: slots (requests decoded together), or "auto" (PARALLEL_AUTO where the model batches, else
         1: `parallel_note` says why). warm: run the largest forwards once before the first request, then empty the
         contexts (runtime/warm.py: memory reaches its peak at start; served output is unchanged)."""
+        from snapspec.runtime.adaptive import SharedForwards
         from snapspec.runtime.chat import PromptCache
         from snapspec.runtime.prefix_cache import PrefixCache
         from snapspec.runtime.scheduler import Scheduler, batchable
@@ -79,8 +80,10 @@ class Worker(lifecycle.Admission):
         self.scheduler = None
         if self.parallel > 1:
             self.scheduler = Scheduler(target)
+            sharing = SharedForwards(lambda: self.scheduler.live)
             for slot in self.slots:
                 self.scheduler.attach(slot.tctx, slot.drafter)  # an MTP head's forwards too
+                slot.pair.sharing = sharing  # --draft-max auto: one k for the rows of every running request
             self.scheduler.warm(range(2, self.parallel + 1))  # the graphs for 2..N sequences, before any request
         self.warmed = None
         if warm:  # every session's arena at its peak now, not over the first requests (runtime/warm.py)

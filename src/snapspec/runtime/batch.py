@@ -29,12 +29,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
+
 from snapspec import SnapspecError
 
+from .adaptive import SharedForwards
 from .generation import Generator, final_text, prompt_of
 from .model import Model
 from .pair import Pair, check_context, slot_drafters
 from .policy import window_of
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stats import Stats
 
@@ -109,9 +113,14 @@ class Batch:
         w = window_of(target, window)
         self.pairs = []
         self._free: queue.Queue = queue.Queue()
+        self._costs = None  # draft_max="auto": the cost model every slot's chooser shares (calibrate)
+        self._calibration = threading.Lock()
+        self.sharing = SharedForwards(lambda: self.scheduler.live)  # adaptive k: the slots draft one k together
         for source in sources:
             pair = Pair(target, source, length=length, window=w, rollback=rollback)
             self.scheduler.attach(pair.tctx, pair.drafter)  # an MTP head's forwards too
+            pair.sharing = self.sharing
+            pair.shared_costs = self._shared_costs
             self.pairs.append(pair)
             self._free.put(pair)
         if warm:
@@ -143,6 +152,8 @@ class Batch:
             self._count += 1
         prompt = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else \
             prompt_of(self.target, prompt, raw=raw, chat=chat, template_kwargs=template_kwargs)
+        if generation.get("draft_max") == "auto" and "costs" not in generation:
+            self.calibrate()
         seq = Sequence(index)
         if self.stepping == "one":
             with self._lock:
@@ -152,6 +163,32 @@ class Batch:
             threading.Thread(target=self._run, args=(seq, prompt, generation), daemon=True,
                              name=f"snapspec-seq-{index}").start()
         return seq
+
+    def calibrate(self):
+        """The draft-length cost model (adaptive.py) that every slot's draft_max="auto" chooser shares, measured
+        once, on a free slot, before the first such prompt starts (a later call returns it): one measurement
+        instead of one per sequence, and timed on one sequence's forwards rather than inside other sequences'
+        batched steps (unless some are running then). None where the draft source has no cost model."""
+        with self._calibration:
+            if self._costs is None and self.drafter is not None:
+                pair = self._free.get()
+                self.scheduler.join()
+                try:
+                    pair.reset()
+                    prompt = [1, 1]  # a short past, as after a prompt, and the draft source started on it
+                    pair.claim()
+                    rows = pair.tctx.prefill(prompt, None, logits=False)
+                    pair.drafter.start(prompt, sampling=SamplingParams(), rng=np.random.default_rng(0), stats=Stats(),
+                                       prefill=rows, length=pair.max_len)
+                    self._costs = pair.costs(pair.policy.k_max + 1) or False  # False: none (no room, no model)
+                    pair.reset()
+                finally:
+                    self.scheduler.leave()
+                    self._free.put(pair)
+            return self._costs or None
+
+    def _shared_costs(self):
+        return self._costs or None
 
     def run(self, prompts, **generation) -> Iterator[Event]:
         """Every prompt's events as they come (prompt i's carry index i); at most `parallel` run at once."""

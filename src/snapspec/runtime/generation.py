@@ -103,7 +103,8 @@ class Generator:
         self.chooser = None
         if draft_max == "auto":
             make = self.drafter.extras.chooser if self.drafter is not None else DraftLengthChooser
-            self.chooser = make(self.policy.k_max, costs)
+            self.chooser = make(self.policy.k_max, costs or (pair.shared_costs and pair.shared_costs()))
+            self.chooser.sharing = pair.sharing  # a Batch's slot: one k with the sequences of its forwards
 
     @property
     def modes_used(self) -> set[str]:
@@ -159,13 +160,17 @@ class Generator:
         out = self._emit([first])
         if out:
             yield out
-        while self.stop_reason is None:
-            self._calibrate()
-            with st.span("decode"):
-                new = self._round() if self.drafter is not None else self._plain_step()
-                out = self._emit(new)
-            if out:
-                yield out
+        try:
+            while self.stop_reason is None:
+                self._calibrate()
+                with st.span("decode"):
+                    new = self._round() if self.drafter is not None else self._plain_step()
+                    out = self._emit(new)
+                if out:
+                    yield out
+        finally:
+            if self.chooser is not None:
+                self.chooser.done()
 
     def _prefill(self) -> Rows:
         """The target's prefill of what its context does not hold yet; its last row (and every prefilled token's
@@ -200,6 +205,8 @@ class Generator:
         if ready is not None and not ready(self.seq):
             return
         self._calibrated = True
+        if self.pair.shared_costs is not None:  # a Batch's slot: the Batch measured it (or found nothing to)
+            return
         with self.stats.timed("calibration"):
             self.costs = self.chooser.costs = self.pair.costs(self.policy.k_max + 1)
 

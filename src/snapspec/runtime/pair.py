@@ -106,6 +106,10 @@ class Pair:
             dctx = drafter_ctx or self.policy.open(model, length, "drafter", poison=poison)
             self.drafter = ModelDrafter(dctx, prefill_chunk)
         self._warned: set[str] = set()
+        # Set by a Batch on its slots: the sequences that share this pair's forwards (adaptive.SharedForwards), and
+        # the draft-length cost model its slots share (measured once per Batch).
+        self.sharing = None
+        self.shared_costs = None
         self.claim()
 
     def claim(self) -> None:

@@ -207,7 +207,9 @@ class MtpDrafter(Drafter):
         model's (adaptive.measure_costs), through _HeadSteps."""
         if tctx.n_past + n_max > tctx.max_len or self.head.n_past + 2 > self.head.max_len:
             return None
-        return measure_costs(tctx, _HeadSteps(self.head, self._zero), n_max, reps=reps, tokens=tokens)
+        costs = measure_costs(tctx, _HeadSteps(self.head, self._zero), n_max, reps=reps, tokens=tokens)
+        costs.draft_shared = self._scheduler is not None  # a Batch runs every slot's head step in one forward
+        return costs
 
     # -- the head's bookkeeping -------------------------------------------------------------------------------------
     def _store(self, hidden: np.ndarray, end: int, keep_to: int) -> None:

@@ -224,9 +224,9 @@ class LookupChooser(DraftLengthChooser):
     def scores(self) -> list[float]:
         """Predicted speedup over plain decoding, over all steps, for k = 0..k_top (k = 0: a plain step): a share h
         of steps find a draft and make a round, the others are plain steps (the bench's predicted speedup)."""
-        c, a, h = self.costs, self.acceptance, self.hit_rate
+        c, a, h, s = self.costs, self.acceptance, self.hit_rate, self.shared_by()
         top = min(self.k_max, len(c.C) - 1)
-        return [1.0] + [c.predicted_speedup(k, expected_emitted(a, k), h) for k in range(1, top + 1)]
+        return [1.0] + [c.predicted_speedup(k, expected_emitted(a, k), h, s) for k in range(1, top + 1)]
 
     def choose(self) -> int:
         if self.costs is None:
