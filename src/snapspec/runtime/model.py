@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import onnxruntime as ort
 from snapspec import SnapspecError, manifest
 
 from . import exactness, genai_folder, hugepages, standard_ops
+from .cpu_load import spinning_pays
 from .cuda_graph import GraphSession
 from .providers import DEVICE, PROVIDERS, configure
 from .policy import graph_for
@@ -175,23 +175,6 @@ def open_like(model: Model, graph: bytes, path: Path, weights: dict | None = Non
     opts.add_session_config_entry(exactness.EXTERNAL_FOLDER, str(Path(path).parent))
     _, providers = configure(model.ep, opts, False)
     return _session(graph, opts, providers, name=Path(path))
-
-
-def spinning_pays(threads: int | None) -> bool:
-    """Whether a session's intra-op threads should spin between runs: only where the 1-minute load average leaves an
-    idle core for each thread this session adds (load < cores - threads + 1). On an idle machine spinning saves the
-    wake-up of every parallel kernel; where another process holds one of the cores a spinning worker needs, the
-    worker burns the time slices the main thread needs (pair-a fp32 on 2 threads at load average 9-10 on 2 cores:
-    70-75 ms a step spinning, 38 ms not). pair-a int4 on two pinned cores of an Intel Xeon, 2 threads:
-    idle, 2.71 ms a step spinning against 3.07 not; with one core busy, 8.32 ms spinning against 4.36 not (and
-    2.78 on one thread); the old rule (load < cores + threads) spun there (docs/benchmarks/cpu-step.md). Decided once,
-    when the session is made."""
-    cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):  # Windows has no load average
-        return True
-    return load < cores - (threads or cores) + 1
 
 
 def _options(threads: int | None, spin: bool) -> ort.SessionOptions:
