@@ -171,8 +171,8 @@ SOURCES = ["none", "ngram", "mtp", "drafter"]
 @given(data=st.data())
 def test_random_arrivals_cancellations_and_sources(loaded, data):
     """Two Batches (two draft sources) on one scheduler; prompts arrive after random delays; some are cancelled
-    after a random number of events. Finished sequences equal their runs alone; cancelled ones emitted a prefix of
-    it, and the others never noticed."""
+    after a random number of events; the draft length is fixed or adaptive. Finished sequences equal their runs
+    alone; cancelled ones emitted a prefix of it, and the others never noticed."""
     t = loaded("qwen3_5", mtp=True)
     d = loaded("qwen3_5_text")
     sources = data.draw(st.lists(st.sampled_from(SOURCES), min_size=2, max_size=2, unique=True), label="sources")
@@ -182,7 +182,8 @@ def test_random_arrivals_cancellations_and_sources(loaded, data):
     which = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n), label="source of each")
     delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01, 0.05]), min_size=n, max_size=n), label="delays")
     cancel_after = data.draw(st.lists(st.sampled_from([None, None, 1, 3]), min_size=n, max_size=n), label="cancel")
-    kw = dict(max_new_tokens=NEW, stop_at_eos=False, draft_max=3)
+    # "auto": the Batch measures one cost model and the sequences of a forward draft one k (adaptive.SharedForwards)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False, draft_max=data.draw(st.sampled_from([3, "auto"]), label="k"))
     stepping = data.draw(st.lists(st.sampled_from(["one", "threads"]), min_size=2, max_size=2), label="stepping")
     first = Batch(t, spec[sources[0]], parallel=2, context=CONTEXT, stepping=stepping[0])
     second = Batch(t, spec[sources[1]], parallel=2, context=CONTEXT, scheduler=first.scheduler, stepping=stepping[1])
