@@ -5,7 +5,8 @@
         --json benchmarks/results/real-shapes-cpu/<name>.json
 
 For each model and variant (fp32 against llama.cpp's F32 GGUF, int4 against Q4_0): prefill tokens/s at each
-`--prompts` length, decode tokens/s (`--decode` greedy one-token steps from an empty context, as llama-bench's tg),
+`--prompts` length, decode tokens/s (`--decode` greedy one-token steps from an empty context, as llama-bench's tg;
+with `--depth D`, after a prefilled context of D tokens, as llama-bench's `-d D`: what a long conversation decodes at),
 peak resident memory, and folder / file size. Every measurement runs in a fresh process (so its peak RSS, VmHWM or
 /usr/bin/time's maximum, is its own), and the two systems alternate, snapspec then llama.cpp, `--reps` times: each
 ratio is quoted with its spread over those pairs. snapspec's side is this script's `child` command; llama.cpp's is
@@ -67,7 +68,7 @@ def child(a) -> dict:
     model = load(a.folder, threads=a.threads)
     out = {"load_s": time.perf_counter() - t0, "rss_after_load_mib": _vm("VmRSS")}
     vocab = min(model.vocab_size, model.tokenizer.get_vocab_size())
-    ids = np.random.default_rng(0).integers(0, vocab, max(a.tokens, 64) + 16).tolist()
+    ids = np.random.default_rng(0).integers(0, vocab, max(a.tokens, 64) + a.depth + 16).tolist()
     if a.mode == "prefill":
         ctx = Policy(model).open(model, a.tokens + 8)
         ctx.prefill(ids[:64], logits=False)  # warm-up: shapes, allocator
@@ -78,9 +79,11 @@ def child(a) -> dict:
         out["tokens_per_s"] = a.tokens / out["seconds"]
         out["state_mib"] = ctx.nbytes / 2**20
     elif a.mode == "decode":
-        ctx = Policy(model).open(model, a.tokens + 16)
-        for warm in (8, a.tokens):
+        ctx = Policy(model).open(model, a.depth + a.tokens + 16)
+        for timed, warm in enumerate((8, a.tokens)):
             ctx.reset()
+            if a.depth and timed:  # a context of `depth` tokens first, not timed (llama-bench -d)
+                ctx.prefill(ids[a.tokens:a.tokens + a.depth], logits=False)
             tok, t = ids[0], time.perf_counter()
             for _ in range(warm):
                 tok = int(ctx.forward([tok], keep=1, logits=False).ids[-1])
@@ -158,9 +161,9 @@ def run_child(args: list[str]) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def run_llama(bench: Path, gguf: Path, threads: int, prompt: int, decode: int) -> dict:
+def run_llama(bench: Path, gguf: Path, threads: int, prompt: int, decode: int, depth: int = 0) -> dict:
     cmd = [str(bench), "-m", str(gguf), "-p", str(prompt), "-n", str(decode), "-t", str(threads), "-r", "1",
-           "-o", "json"]
+           "-o", "json"] + (["-d", str(depth)] if depth else [])
     if Path("/usr/bin/time").exists():
         p = subprocess.run(["/usr/bin/time", "-f", "MAXRSS %M", *cmd], capture_output=True, text=True)
         peak = re.search(r"MAXRSS (\d+)", p.stderr)
@@ -263,9 +266,10 @@ def compare(a, folder: Path, gguf: Path) -> dict:
                 waited.append(wait_quiet(a) if a.quiet else 0.0)
                 load.append(os.getloadavg()[0])
                 with Others() as o:
-                    mine = run_child(common + ["--mode", mode, "--tokens", str(n)])
+                    depth = a.depth if mode == "decode" else 0
+                    mine = run_child(common + ["--mode", mode, "--tokens", str(n), "--depth", str(depth)])
                     peer = run_llama(bench, gguf, a.threads, n if mode == "prefill" else 0,
-                                     n if mode == "decode" else 0)
+                                     n if mode == "decode" else 0, depth)
                 if not a.quiet or o.cores <= a.busy_max or attempt == a.retries:
                     break
                 discarded.append({"others_cores": o.cores, "snapspec_tps": mine["tokens_per_s"],
@@ -276,7 +280,7 @@ def compare(a, folder: Path, gguf: Path) -> dict:
             theirs.append(peer)
             others.append(o.cores)
         ratio = [o["tokens_per_s"] / t["tokens_per_s"] for o, t in zip(ours, theirs)]
-        key = f"{mode}_{n}"
+        key = f"{mode}_{n}" + (f"_at_{a.depth}" if mode == "decode" and a.depth else "")
         result[key] = {"snapspec_tps": spread([o["tokens_per_s"] for o in ours]),
                        "llama_tps": spread([t["tokens_per_s"] for t in theirs]), "ratio": spread(ratio),
                        "snapspec_peak_rss_mib": spread([o["peak_rss_mib"] for o in ours]),
@@ -324,6 +328,7 @@ def main(argv=None) -> int:
     c.add_argument("--folder", type=Path, required=True)
     c.add_argument("--mode", choices=["prefill", "decode", "costs", "profile", "sampling"], required=True)
     c.add_argument("--tokens", type=int, default=64)
+    c.add_argument("--depth", type=int, default=0)
     c.add_argument("--threads", type=int, default=2)
     c.add_argument("--drafter", type=Path)
     c.add_argument("--drafter-threads", type=int, default=1)
@@ -336,6 +341,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="fp32,int4")
     p.add_argument("--prompts", default="512,4096")
     p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--depth", type=int, default=0, help="decode after a context of this many tokens (llama-bench -d)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--spec", help="TARGET:DRAFTER checkpoint names (int4 exports) for the cost model")
