@@ -62,10 +62,7 @@ def _anonymous_ranges(libc) -> list[tuple[int, int]]:
             lo, hi = (lo + HUGE - 1) & ~(HUGE - 1), hi & ~(HUGE - 1)
             if hi <= lo:
                 continue
-            vec = np.empty((hi - lo) // PAGE, np.uint8)
-            if libc.mincore(lo, hi - lo, vec.ctypes.data) != 0:
-                continue
-            full = (vec.reshape(-1, HUGE // PAGE) & 1).all(axis=1)  # per window: every page resident
+            full = _resident_windows(libc, lo, hi)
             edges = np.flatnonzero(np.diff(full, prepend=False, append=False))  # run starts and ends, in windows
             for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
                 start, end = lo + a * HUGE, lo + b * HUGE
@@ -74,6 +71,21 @@ def _anonymous_ranges(libc) -> list[tuple[int, int]]:
                 else:
                     out.append((start, end))
     return out
+
+
+def _resident_windows(libc, lo: int, hi: int) -> np.ndarray:
+    """Per 2 MiB window of [lo, hi): whether every page is resident. One mincore call for the whole mapping; where
+    the kernel refuses it (part of the mapping was unmapped by another thread since /proc/self/maps was read), one
+    call per window, so the windows still mapped are not skipped with it."""
+    vec = np.empty((hi - lo) // PAGE, np.uint8)
+    if libc.mincore(lo, hi - lo, vec.ctypes.data) == 0:
+        return (vec.reshape(-1, HUGE // PAGE) & 1).all(axis=1)
+    full = np.zeros((hi - lo) // HUGE, bool)
+    window = np.empty(HUGE // PAGE, np.uint8)
+    for i in range(len(full)):
+        if libc.mincore(lo + i * HUGE, HUGE, window.ctypes.data) == 0:
+            full[i] = (window & 1).all()
+    return full
 
 
 def _libc():
@@ -100,11 +112,24 @@ def advise() -> int:
         ranges = _anonymous_ranges(libc)
     except OSError:
         return 0
+    return sum(_advise_range(libc, start, end) for start, end in ranges)
+
+
+def _advise_range(libc, start: int, end: int, tried: set[int] | None = None) -> int:
+    """MADV_HUGEPAGE on [start, end), then _collapse it; returns the bytes advised. A range is read from
+    /proc/self/maps before it is advised, and another thread may unmap part of it in between (the kernel then
+    refuses the whole call with ENOMEM): window by window then, so the windows still mapped are advised and
+    collapsed, and on a last try (tried None) each refused window is recorded in _refused with its errno."""
+    if libc.madvise(start, end - start, MADV_HUGEPAGE) == 0:
+        _collapse(libc, start, end, tried)
+        return end - start
     advised = 0
-    for start, end in ranges:
-        if libc.madvise(start, end - start, MADV_HUGEPAGE) == 0:
-            advised += end - start
-            _collapse(libc, start, end)
+    for at in range(start, end, HUGE):
+        if libc.madvise(at, HUGE, MADV_HUGEPAGE) == 0:
+            advised += HUGE
+            _collapse(libc, at, at + HUGE, tried)
+        elif tried is None:
+            _refused[at] = ctypes.get_errno()
     return advised
 
 
@@ -142,9 +167,8 @@ def while_loading():
             stopping = stop.wait(SWEEP_SECONDS)
             try:
                 for start, end in _anonymous_ranges(libc):
-                    if libc.madvise(start, end - start, MADV_HUGEPAGE) == 0:
-                        # the last look retries what failed while it was being written (tried: skip until then)
-                        _collapse(libc, start, end, None if stopping else tried)
+                    # the last look retries what failed while it was being written (tried: skip until then)
+                    _advise_range(libc, start, end, None if stopping else tried)
             except OSError:  # /proc/self/maps unreadable: advise() after the session does what it can
                 return
             if stopping:  # one last look once the session is made: what it wrote last
