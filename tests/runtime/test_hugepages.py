@@ -133,11 +133,9 @@ def test_a_range_partly_unmapped_since_it_was_read_is_advised_window_by_window(m
     monkeypatch.setattr(hugepages, "_huge", set())
     monkeypatch.setattr(hugepages, "_refused", {})
     base, gone = 64 * hugepages.HUGE, 66 * hugepages.HUGE
-    calls = []
 
     class Libc:
         def madvise(self, at, length, advice):
-            calls.append((at, length, advice))
             if at <= gone < at + length:
                 ctypes.set_errno(errno.ENOMEM)
                 return -1

@@ -28,15 +28,14 @@ _kept: tuple[float, float | None] | None = None  # (monotonic time, cores busy e
 _lock = threading.Lock()
 
 
-def busy_ticks(stat_text: str) -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs from /proc/stat's text: busy is user, nice, system, irq and softirq;
-    total adds idle and iowait (steal and guest time are left out of both)."""
+def busy_ticks(stat_text: str) -> int:
+    """Clock ticks all CPUs spent busy, from /proc/stat's text: user, nice, system, irq and softirq (not idle,
+    iowait, steal or guest)."""
     fields = stat_text.split("\n", 1)[0].split()
     if not fields or fields[0] != "cpu":
         raise ValueError("no aggregate cpu line")
-    user, nice, system, idle, iowait, irq, softirq = (int(x) for x in fields[1:8])
-    busy = user + nice + system + irq + softirq
-    return busy, busy + idle + iowait
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
+    return user + nice + system + irq + softirq
 
 
 def _own_seconds() -> float:
@@ -49,11 +48,11 @@ def busy_elsewhere(window: float = WINDOW_S, stat_path: str = "/proc/stat") -> f
     or None where `stat_path` cannot be read."""
     try:
         with open(stat_path) as f:
-            busy0, _ = busy_ticks(f.read())
+            busy0 = busy_ticks(f.read())
         mine0, t0 = _own_seconds(), time.monotonic()
         time.sleep(window)
         with open(stat_path) as f:
-            busy1, _ = busy_ticks(f.read())
+            busy1 = busy_ticks(f.read())
         mine1, t1 = _own_seconds(), time.monotonic()
     except (OSError, ValueError):
         return None
