@@ -112,6 +112,9 @@ def load_head(model, *, threads: int | None = None, share: bool | None = None, c
     if ep == "cpu" and int4_head(m):  # rows paired where this CPU's one-row kernel differs, as the target's
         from .exactness import load_graph
         source, _ = load_graph(path, opts, threads, who=f"{m.folder.name} MTP head: ")
+    if ep == "cpu":  # its attention as grouped MatMuls where that pays (grouped_attention.py), as the target's
+        from .standard_ops import for_cpu
+        source = for_cpu(source, path, opts)
     try:
         session = (ort.InferenceSession(source, opts) if providers is None
                    else ort.InferenceSession(source, opts, providers=providers))

@@ -28,6 +28,8 @@ import os
 
 import numpy as np
 
+from . import grouped_attention
+
 MS = "com.microsoft"
 REWRITTEN = ("CausalConvWithState", "GatedRMSNorm")
 
@@ -154,7 +156,7 @@ def for_cpu(source, path, opts):
     if isinstance(source, bytes):  # made by another rewrite, which pointed `opts` at the weights already
         import onnx
         model = onnx.load_from_string(source)
-        return rewrite(model).SerializeToString() if wanted(model) else source
+        return _both(model).SerializeToString() if _wants(model) else source
     try:
         if os.path.getsize(source) > 1 << 30:  # inline weights: not an export of ours, left as it is
             return source
@@ -162,11 +164,12 @@ def for_cpu(source, path, opts):
             data = f.read()
     except OSError:  # a missing graph: onnxruntime's load says so
         return source
-    if not any(op.encode() in data for op in REWRITTEN):
+    if not any(op.encode() in data for op in REWRITTEN + ("GroupQueryAttention",)):
         return source
     from .exactness import EXTERNAL_FOLDER
 
-    cached = _cache() / f"{hashlib.sha256(VERSION + data).hexdigest()[:32]}.onnx"
+    version = VERSION + (grouped_attention.VERSION if grouped_attention.enabled() else b"")
+    cached = _cache() / f"{hashlib.sha256(version + data).hexdigest()[:32]}.onnx"
     try:
         out = cached.read_bytes()
     except OSError:
@@ -175,12 +178,25 @@ def for_cpu(source, path, opts):
             model = onnx.load_from_string(data)
         except Exception:  # a corrupt graph: onnxruntime's load says what is wrong with it
             return source
-        if not wanted(model):
+        if not _wants(model):
             return source
-        out = rewrite(model).SerializeToString()
+        out = _both(model).SerializeToString()
         _keep(cached, out)
     opts.add_session_config_entry(EXTERNAL_FOLDER, os.path.dirname(os.path.abspath(path)))
     return out
+
+
+def _wants(model) -> bool:
+    return wanted(model) or grouped_attention.wanted(model)
+
+
+def _both(model):
+    """This module's rewrite, then grouped_attention's (GroupQueryAttention as grouped MatMuls)."""
+    if wanted(model):
+        rewrite(model)
+    if grouped_attention.wanted(model):
+        grouped_attention.rewrite(model)
+    return model
 
 
 VERSION = b"standard-ops 1\n"  # changes whenever rewrite() writes other nodes: old cached graphs are not reused

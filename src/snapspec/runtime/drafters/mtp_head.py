@@ -25,6 +25,7 @@ import numpy as np
 from snapspec import SnapspecError
 
 from ..cuda_graph import SKIP
+from ..grouped_attention import view_inputs
 from ..runners.io import release
 from ..state.kv import KVCache
 
@@ -68,6 +69,7 @@ class OnnxHead:
         self.keeps_rows = "logits_to_keep" in inputs  # only the last row is read: logits, ids and hidden_out
         self._keep = np.ones((), dtype=np.int64)  # bound by pointer, as Context binds it
         self._ones = np.ones((1, self.max_len), dtype=np.int64)
+        self._views = view_inputs(self.session)  # the KV rows as views, on CPU (grouped_attention.py)
         self._bindings: dict = {}  # with / without logits: one IOBinding each, the KV bound once
         self.batch = None  # a Scheduler that runs this head's forwards with other sequences' heads (attach_head)
         self.n_past = 0
@@ -106,6 +108,8 @@ class OnnxHead:
         b, order = self._binding(logits)
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("hidden", hidden[None])
+        if self._views:
+            self.kv.bind_views(b, self.n_past, self._views)
         b.bind_cpu_input("position_ids", self.model.position_ids(self.n_past, t))
         b.bind_input("attention_mask", "cpu", 0, np.int64, [1, self.n_past + t], self._ones.ctypes.data)
         if self.keeps_rows:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..batched_graph import ROW, SEQLENS, TOTAL, row_name
+from ..grouped_attention import view_inputs
 from .io import GraphIO, outputs_after, release
 
 
@@ -60,6 +61,7 @@ class BatchedRunner:
         self.packed = packed["name"] if packed else None
         self.extra = [o for o in self.io.outputs if o not in ("logits", "next_tokens") and ROW not in o]
         self.attention = row_name(TOTAL, 0) in {i.name for i in session.get_inputs()}
+        self._views = view_inputs(session)  # each row's KV rows as views, on CPU (grouped_attention.py)
         self._bindings: OrderedDict = OrderedDict()  # key -> (binding, output names, state outputs, contexts)
 
     def forward(self, calls: list[Call]) -> list[Result]:
@@ -89,6 +91,10 @@ class BatchedRunner:
             for r, (seqlens, total) in enumerate(lengths):
                 b.bind_cpu_input(row_name(SEQLENS, r), seqlens)
                 b.bind_cpu_input(row_name(TOTAL, r), total)
+        for r, c in enumerate(calls if self._views else ()):
+            for store in c.ctx.stores:
+                if hasattr(store, "bind_views"):
+                    store.bind_views(b, c.start, self._views, suffix=row_name("", r))
         # the outputs allocated per call, in the order the cached binding first bound them
         for r in range(n if self.packed else 0):
             b.bind_output(row_name(self.packed, r), self.device)

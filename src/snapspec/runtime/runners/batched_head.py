@@ -35,6 +35,7 @@ import numpy as np
 
 from ..batched_graph import SEQLENS, TOTAL, row_name
 from ..drafters.mtp_head import HeadRows
+from ..grouped_attention import view_inputs
 from .batched import row_lengths
 
 
@@ -62,6 +63,7 @@ class BatchedHead:
         inputs = {i.name for i in session.get_inputs() + session.get_overridable_initializers()}
         self.keeps_rows = LAST_ROW in inputs  # one row per sequence: its last (keep_last_rows)
         self.attention = row_name(TOTAL, 0) in inputs
+        self._views = view_inputs(session)  # each row's KV rows as views, on CPU (grouped_attention.py)
 
     def forward(self, calls: list[HeadCall]) -> list[HeadRows]:
         n, t_max = len(calls), max(len(c.ids) for c in calls)
@@ -93,6 +95,8 @@ class BatchedHead:
                 b.bind_cpu_input(row_name(SEQLENS, r), seqlens)
                 b.bind_cpu_input(row_name(TOTAL, r), total)
             order += c.head.kv.bind(b, None, suffix=row_name("", r))
+            if self._views:
+                c.head.kv.bind_views(b, c.start, self._views, suffix=row_name("", r))
         for name in ["next_tokens", "hidden_out"] + (["logits"] if logits else []):
             b.bind_output(name, "cpu")
             order.append(name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..cuda_graph import SKIP
+from ..grouped_attention import view_inputs
 from ..state import allocate
 from .io import GraphIO, release
 
@@ -32,6 +33,7 @@ class BoundRunner:
         self._extra: list[str] | None = None  # outputs no store binds (rollback data): bound per call
         self._run_options = SKIP if model.graphs is not None else None
         self._scratch: dict = {}  # graph mode: per-call device outputs, [1, T, ...], grown on demand
+        self._views = view_inputs(self.session)  # the KV rows a CPU graph reads as views (grouped_attention.py)
 
     def forward(self, keys: tuple, ids: np.ndarray, start: int, keep: int, logits: bool):
         """Run ids [1, T] from position `start` with the state at `keys`; return (outputs, the kept rows' ids,
@@ -40,6 +42,10 @@ class BoundRunner:
         host_logits = logits or not self.io.argmax_in_graph
         b, order = self._binding(keys, host_logits)
         b.bind_cpu_input("input_ids", ids)
+        if self._views:
+            for s in self.stores:
+                if hasattr(s, "bind_views"):
+                    s.bind_views(b, start, self._views)
         positions = self.position_ids(start, t)
         if positions is not None:
             b.bind_cpu_input("position_ids", positions)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import grouped_attention
 from . import Store, allocate, dtype, host_array, shape
 
 
@@ -24,6 +25,12 @@ class KVCache(Store):
         for present, past in self.outputs.items():
             binding.bind_ortvalue_output(present + suffix, self.values[past])
         return [present + suffix for present in self.outputs]
+
+    def bind_views(self, binding, n_past: int, inputs: set[str], suffix: str = "") -> None:
+        """Bind the rows before n_past of each buffer to the graph's view inputs, where the CPU graph reads them
+        (grouped_attention.py; `inputs`: its view input names): every call, as they grow."""
+        for past, value in self.values.items():
+            grouped_attention.bind_views(binding, past + suffix, value, n_past, inputs)
 
     def reach(self, pos: int) -> str:
         return "truncate"
