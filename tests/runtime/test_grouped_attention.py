@@ -21,6 +21,12 @@ RNG = np.random.default_rng(0)
 HEADS, KV_HEADS = 8, 2
 
 
+@pytest.fixture(autouse=True)
+def grouped(monkeypatch):
+    """The rewrite on, as `serve` turns it on for long contexts (off by default elsewhere)."""
+    monkeypatch.setenv("SNAPSPEC_GROUPED_ATTENTION", "1")
+
+
 def gqa_model(hd: int, rows: int):
     """One GroupQueryAttention over KV buffers of `rows` rows, as the exports write it (shared buffers, seqlens)."""
     node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"],
@@ -147,6 +153,20 @@ def test_node_small_heads_and_one_query_per_head_stay_as_exported():
         if a.name == "num_heads":
             a.i = KV_HEADS
     assert not grouped_attention.wanted(mha)
+
+
+def test_node_the_rewrite_is_off_unless_asked(monkeypatch):
+    """Off by default; set_default (serve's, for contexts of DEEP tokens or more) turns it on; the variable wins."""
+    model = gqa_model(128, 32)
+    monkeypatch.delenv("SNAPSPEC_GROUPED_ATTENTION")
+    assert not grouped_attention.wanted(model)
+    grouped_attention.set_default(True)
+    try:
+        assert grouped_attention.wanted(model)
+        monkeypatch.setenv("SNAPSPEC_GROUPED_ATTENTION", "0")
+        assert not grouped_attention.wanted(model)
+    finally:
+        grouped_attention.set_default(False)
 
 
 @pytest.fixture(scope="module")

@@ -217,8 +217,16 @@ def run(args) -> int:
     except ImportError:
         raise SnapspecError("snapspec serve needs starlette, uvicorn and prometheus-client: "
                             "pip install 'snapspec[serve]'") from None
+    from snapspec import manifest
+    from snapspec.runtime import grouped_attention
+
     from .options import load_models
 
+    try:  # long conversations: CPU attention that reads the cache once per KV head (grouped_attention.py, "When")
+        context = args.context or manifest.load(args.target, verify=False).max_context
+        grouped_attention.set_default(context >= grouped_attention.DEEP)
+    except (SnapspecError, OSError):  # an unreadable folder: load_models says what is wrong with it
+        pass
     target, drafter = load_models(args, args.target, args.drafter)
     defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,

@@ -35,7 +35,12 @@ proves it bit for bit at the node and through the runtime):
   a small N; a block of N >= K stays whole). The cached part ends on a block boundary (L0), and the tail continues the
   same accumulator (Gemm with C, beta 1: each block is added to C in order), so every row's sum is the same sequence
   of block sums whichever call computed it.
-SNAPSPEC_GROUPED_ATTENTION=0 keeps GroupQueryAttention.
+When: the rewrite costs per node what it saves per cached row. At the 0.8B int4 shape (2 threads, AVX-512) a decode
+step ran 0.92-1.02x as fast with it from an empty context, 0.92-1.04x after 1,024 tokens and 1.21-1.31x after 4,096
+(benchmarks/grouped_attention.py model). So it is off by default and on where contexts grow long: `snapspec serve`
+turns it on when its context holds DEEP tokens or more (agents resend thousands of tokens every turn), through
+set_default before it loads the models. SNAPSPEC_GROUPED_ATTENTION=1 turns it on for every CPU session, =0 off (it
+overrides set_default).
 """
 
 from __future__ import annotations
@@ -52,8 +57,19 @@ VIEWS = "/grouped/"  # <past>/grouped/k0: the name of a view input
 PLAIN = {"num_heads", "kv_num_heads", "scale"}  # GroupQueryAttention attributes this rewrite reproduces
 
 
+DEEP = 2048  # contexts of at least this many tokens: on by default in `serve` (module doc, "When")
+_default = False
+
+
+def set_default(on: bool) -> None:
+    """Whether sessions loaded from now on are rewritten, where SNAPSPEC_GROUPED_ATTENTION does not say."""
+    global _default
+    _default = bool(on)
+
+
 def enabled() -> bool:
-    return os.environ.get("SNAPSPEC_GROUPED_ATTENTION", "1") != "0"
+    env = os.environ.get("SNAPSPEC_GROUPED_ATTENTION", "")
+    return env == "1" if env in ("0", "1") else _default
 
 
 def eligible(node, inputs: dict) -> bool:
