@@ -164,7 +164,8 @@ def for_cpu(source, path, opts):
             data = f.read()
     except OSError:  # a missing graph: onnxruntime's load says so
         return source
-    if not any(op.encode() in data for op in REWRITTEN + ("GroupQueryAttention",)):
+    ops = REWRITTEN + (("GroupQueryAttention",) if grouped_attention.enabled() else ())
+    if not any(op.encode() in data for op in ops):
         return source
     from .exactness import EXTERNAL_FOLDER
 
