@@ -27,8 +27,8 @@ def grouped(monkeypatch):
     monkeypatch.setenv("SNAPSPEC_GROUPED_ATTENTION", "1")
 
 
-def gqa_model(hd: int, rows: int):
-    """One GroupQueryAttention over KV buffers of `rows` rows, as the exports write it (shared buffers, seqlens)."""
+def gqa_model(hd: int):
+    """One GroupQueryAttention over shared KV buffers, as the exports write it (past and present one buffer)."""
     node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"],
                             ["y", "present_k", "present_v"], domain="com.microsoft", name="attn",
                             num_heads=HEADS, kv_num_heads=KV_HEADS)
@@ -40,7 +40,8 @@ def gqa_model(hd: int, rows: int):
         helper.make_tensor_value_info("pv", T.FLOAT, ["batch", KV_HEADS, "context", hd]),
         helper.make_tensor_value_info("seqlens", T.INT32, [1]), helper.make_tensor_value_info("total", T.INT32, [])],
         [helper.make_tensor_value_info(n, T.FLOAT, None) for n in ("y", "present_k", "present_v")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
     return model
 
@@ -48,8 +49,8 @@ def gqa_model(hd: int, rows: int):
 class Node:
     """A session on the node, plain or rewritten, that writes into caller-owned buffers in place."""
 
-    def __init__(self, hd: int, rows: int, grouped: bool, threads: int):
-        model = gqa_model(hd, rows)
+    def __init__(self, hd: int, grouped: bool, threads: int):
+        model = gqa_model(hd)
         if grouped:
             assert grouped_attention.wanted(model)
             grouped_attention.rewrite(model)
@@ -91,7 +92,7 @@ def with_spare(x):
 def test_node_computes_what_group_query_attention_computes(hd):
     """Same outputs within float rounding, and the same rows written to the buffers (the rest untouched)."""
     rows = 400
-    plain, grouped = Node(hd, rows, False, 2), Node(hd, rows, True, 2)
+    plain, grouped = Node(hd, False, 2), Node(hd, True, 2)
     for past, t in ((0, 5), (37, 1), (128, 9), (250, 40), (300, 2)):
         bufs = [RNG.standard_normal((1, KV_HEADS, rows, hd)).astype(np.float32) for _ in range(2)]
         q, k, v = (with_spare(x) for x in inputs(hd, t))
@@ -108,7 +109,7 @@ def test_node_rows_equal_one_row_calls_bit_for_bit(hd, threads):
     """A call of t rows (and its spare) gives each row the bits that t one-row calls give it, on both sides of the
     value split (ALIGN) and of MLAS's K blocks, for verify-sized and prefill-sized calls."""
     rows = 512
-    f = Node(hd, rows, True, threads)
+    f = Node(hd, True, threads)
     unequal = []
     for past in (0, 1, 120, 127, 128, 129, 250, 255, 256, 300):
         for t in (3, 9, 40):
@@ -146,9 +147,9 @@ def test_node_softmax_ignores_trailing_masked_keys():
 
 def test_node_small_heads_and_one_query_per_head_stay_as_exported():
     """Heads of 64 (onnxruntime's kernel is as fast there) and as many query heads as KV heads are not rewritten."""
-    small = gqa_model(64, 32)
+    small = gqa_model(64)
     assert not grouped_attention.wanted(small)
-    mha = gqa_model(128, 32)
+    mha = gqa_model(128)
     for a in mha.graph.node[0].attribute:
         if a.name == "num_heads":
             a.i = KV_HEADS
@@ -157,7 +158,7 @@ def test_node_small_heads_and_one_query_per_head_stay_as_exported():
 
 def test_node_the_rewrite_is_off_unless_asked(monkeypatch):
     """Off by default; set_default (serve's, for contexts of DEEP tokens or more) turns it on; the variable wins."""
-    model = gqa_model(128, 32)
+    model = gqa_model(128)
     monkeypatch.delenv("SNAPSPEC_GROUPED_ATTENTION")
     assert not grouped_attention.wanted(model)
     grouped_attention.set_default(True)

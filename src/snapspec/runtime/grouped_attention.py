@@ -162,7 +162,7 @@ def _grouped(node, heads: int, kv_heads: int, hd: int, scale: float, const, help
     mask = op("Where", [op("Greater", [u, token], "later"), const("/grouped/ninf", -np.inf, np.float32),
                         const("/grouped/zerof", 0.0, np.float32)], "mask")
     r1 = op("Reshape", [r, const("/grouped/dim1", [1])], "r_1d")
-    cached1 = op("Reshape", [aligned, const("/grouped/dim1", [1])], "aligned_1d")
+    aligned1 = op("Reshape", [aligned, const("/grouped/dim1", [1])], "aligned_1d")
     total1 = op("Reshape", [total, const("/grouped/dim1", [1])], "total_1d")
     heads_out = []
     for j in range(kv_heads):
@@ -194,9 +194,9 @@ def _grouped(node, heads: int, kv_heads: int, hd: int, scale: float, const, help
             parts.append(op("Reshape", [acc, shape2], tag))
         scores = op("Concat", [parts[0], op("Add", [parts[1], mask], f"s{j}_masked")], f"s{j}", axis=0)
         probs = op("Softmax", [scores], f"p{j}", axis=0)  # [L + T', R]
-        p_aligned = op("Slice", [probs, const("/grouped/zero1", [0]), cached1, const("/grouped/axis0", [0])],
+        p_aligned = op("Slice", [probs, const("/grouped/zero1", [0]), aligned1, const("/grouped/axis0", [0])],
                        f"p{j}_aligned")
-        p_tail = op("Slice", [probs, cached1, total1, const("/grouped/axis0", [0])], f"p{j}_tail")
+        p_tail = op("Slice", [probs, aligned1, total1, const("/grouped/axis0", [0])], f"p{j}_tail")
         first = op("Gemm", [v_aligned, p_aligned], f"o{j}_aligned", transA=1)  # [d, R]
         tail = op("Concat", [v_tail, vj], f"v{j}_tail", axis=0)
         oj = op("Gemm", [tail, p_tail, first], f"o{j}", transA=1, beta=1.0)
