@@ -170,6 +170,27 @@ def test_node_the_rewrite_is_off_unless_asked(monkeypatch):
         grouped_attention.set_default(False)
 
 
+def test_serve_turns_it_on_for_long_contexts(tiny_export, monkeypatch):
+    """`snapspec serve` asks for the rewrite when its context holds DEEP tokens or more (the export's max_context by
+    default), not for a shorter one; the variable still decides where it is set."""
+    from types import SimpleNamespace
+
+    from snapspec.cli.serve import long_context_attention
+
+    monkeypatch.delenv("SNAPSPEC_GROUPED_ATTENTION")
+    folder = tiny_export("qwen3_5_text")
+    model = gqa_model(128)
+    try:
+        assert not long_context_attention(SimpleNamespace(context=None, target=folder))  # max_context 512
+        assert not grouped_attention.wanted(model)
+        assert long_context_attention(SimpleNamespace(context=grouped_attention.DEEP, target=folder))
+        assert grouped_attention.wanted(model)
+        monkeypatch.setenv("SNAPSPEC_GROUPED_ATTENTION", "0")
+        assert not grouped_attention.wanted(model)
+    finally:
+        grouped_attention.set_default(False)
+
+
 @pytest.fixture(scope="module")
 def wide(tiny_model, tmp_path_factory):
     """A tiny Qwen3.5 with 128-wide attention heads and an MTP head, exported fp32 (head as the target)."""

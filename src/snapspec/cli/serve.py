@@ -209,6 +209,20 @@ def _as_api_error(exc: Exception) -> api.ApiError:
     return api.ApiError(500, f"generation failed: {first[:400]}")
 
 
+def long_context_attention(args) -> bool:
+    """Turn on CPU attention as grouped MatMuls (runtime/grouped_attention.py, "When") for the models loaded next when
+    the server's context holds grouped_attention.DEEP tokens or more: its conversations grow. Returns the choice."""
+    from snapspec import manifest
+    from snapspec.runtime import grouped_attention
+
+    try:
+        context = args.context or manifest.load(args.target, verify=False).max_context
+    except (SnapspecError, OSError):  # an unreadable folder: loading it says what is wrong with it
+        return False
+    grouped_attention.set_default(context >= grouped_attention.DEEP)
+    return context >= grouped_attention.DEEP
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -217,16 +231,9 @@ def run(args) -> int:
     except ImportError:
         raise SnapspecError("snapspec serve needs starlette, uvicorn and prometheus-client: "
                             "pip install 'snapspec[serve]'") from None
-    from snapspec import manifest
-    from snapspec.runtime import grouped_attention
-
     from .options import load_models
 
-    try:  # long conversations: CPU attention that reads the cache once per KV head (grouped_attention.py, "When")
-        context = args.context or manifest.load(args.target, verify=False).max_context
-        grouped_attention.set_default(context >= grouped_attention.DEEP)
-    except (SnapspecError, OSError):  # an unreadable folder: load_models says what is wrong with it
-        pass
+    long_context_attention(args)
     target, drafter = load_models(args, args.target, args.drafter)
     defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
