@@ -279,3 +279,14 @@ def test_sequences_together_equal_each_alone(wide, monkeypatch):
         together[event.index] += event.tokens
     assert [together[i] for i in range(3)] == alone
     assert {"past_key_values.3.value.row2", "past_key_values.mtp.key.row1"} <= bound  # the target's, the heads'
+
+
+def test_the_fixed_address_path_refuses_views(wide):
+    """The fixed-address path (CUDA graphs; on CPU for tests) binds the cache once: with views it says so."""
+    from snapspec import SnapspecError
+    from snapspec.runtime import load
+    from snapspec.runtime.context import Context
+
+    target = load(wide[1], threads=1)
+    with pytest.raises(SnapspecError, match="SNAPSPEC_GROUPED_ATTENTION=0"):
+        Context(target, 64, mode="replay", window=8, graph_tokens=4)

@@ -25,6 +25,10 @@ from .io import GraphIO
 class CapturedRunner:
     def __init__(self, model, io: GraphIO, stores: list, stream, max_len: int, limit: int):
         """limit: the most tokens a fixed-address forward takes (longer ones are the bound runner's)."""
+        from ..grouped_attention import view_inputs
+        if view_inputs(model.session):  # views of the cache bound per call: a fixed-address binding cannot hold them
+            raise SnapspecError("the fixed-address path binds the KV cache once, and this CPU session reads it as "
+                                "per-call views (grouped attention): set SNAPSPEC_GROUPED_ATTENTION=0")
         if model.position_ids(0, 1) is None or model.position_ids(0, 1).ndim != 2:
             raise SnapspecError("the fixed-address (CUDA graph) path needs a graph with [1, T] position_ids")
         if stream is None:
