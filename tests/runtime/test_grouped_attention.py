@@ -27,23 +27,8 @@ def grouped(monkeypatch):
     monkeypatch.setenv("SNAPSPEC_GROUPED_ATTENTION", "1")
 
 
-def gqa_model(hd: int):
-    """One GroupQueryAttention over shared KV buffers, as the exports write it (past and present one buffer)."""
-    node = helper.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"],
-                            ["y", "present_k", "present_v"], domain="com.microsoft", name="attn",
-                            num_heads=HEADS, kv_num_heads=KV_HEADS)
-    graph = helper.make_graph([node], "g", [
-        helper.make_tensor_value_info("q", T.FLOAT, [1, "t", HEADS * hd]),
-        helper.make_tensor_value_info("k", T.FLOAT, [1, "t", KV_HEADS * hd]),
-        helper.make_tensor_value_info("v", T.FLOAT, [1, "t", KV_HEADS * hd]),
-        helper.make_tensor_value_info("pk", T.FLOAT, ["batch", KV_HEADS, "context", hd]),
-        helper.make_tensor_value_info("pv", T.FLOAT, ["batch", KV_HEADS, "context", hd]),
-        helper.make_tensor_value_info("seqlens", T.INT32, [1]), helper.make_tensor_value_info("total", T.INT32, [])],
-        [helper.make_tensor_value_info(n, T.FLOAT, None) for n in ("y", "present_k", "present_v")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
-    return model
+def gqa_model(hd: int, heads: int | None = None):
+    return grouped_attention.node_model(heads or HEADS, KV_HEADS, hd)
 
 
 class Node:
@@ -52,8 +37,8 @@ class Node:
     def __init__(self, hd: int, grouped: bool, threads: int):
         model = gqa_model(hd)
         if grouped:
-            assert grouped_attention.wanted(model)
-            grouped_attention.rewrite(model)
+            assert grouped_attention.wanted(model, threads)
+            grouped_attention.rewrite(model, threads)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
         opts.log_severity_level = 3
@@ -65,16 +50,16 @@ class Node:
         b = self.session.io_binding()
         b.bind_output("y")
         kv = [ort.OrtValue.ortvalue_from_numpy(x) for x in (k_buf, v_buf)]
-        for name, value in zip(("pk", "pv"), kv):
+        for name, value in zip(("past_key", "past_value"), kv):
             b.bind_ortvalue_input(name, value)
             grouped_attention.bind_views(b, name, value, past, self.views)
-        b.bind_ortvalue_output("present_k", kv[0])
-        b.bind_ortvalue_output("present_v", kv[1])
-        for name, x in (("q", q), ("k", k), ("v", v)):
+        b.bind_ortvalue_output("present_key", kv[0])
+        b.bind_ortvalue_output("present_value", kv[1])
+        for name, x in (("query", q), ("key", k), ("value", v)):
             b.bind_cpu_input(name, x)
         rows = q.shape[1]
-        b.bind_cpu_input("seqlens", np.array([past + rows - 1], np.int32))
-        b.bind_cpu_input("total", np.array(past + rows, np.int32))
+        b.bind_cpu_input("seqlens_k", np.array([past + rows - 1], np.int32))
+        b.bind_cpu_input("total_sequence_length", np.array(past + rows, np.int32))
         self.session.run_with_iobinding(b)
         return b.get_outputs()[0].numpy()
 
@@ -149,11 +134,23 @@ def test_node_small_heads_and_one_query_per_head_stay_as_exported():
     """Heads of 64 (onnxruntime's kernel is as fast there) and as many query heads as KV heads are not rewritten."""
     small = gqa_model(64)
     assert not grouped_attention.wanted(small)
-    mha = gqa_model(128)
-    for a in mha.graph.node[0].attribute:
-        if a.name == "num_heads":
-            a.i = KV_HEADS
-    assert not grouped_attention.wanted(mha)
+    assert not grouped_attention.wanted(gqa_model(128, heads=KV_HEADS))
+
+
+def test_node_a_shape_that_is_not_bitwise_here_keeps_the_kernel(monkeypatch, caplog):
+    """The load-time probe passes on this CPU at the shapes the tests use; where it would not, the node stays
+    onnxruntime's, and one line says so."""
+    assert grouped_attention.bitwise(HEADS, KV_HEADS, 256, 2) and grouped_attention.bitwise(HEADS, KV_HEADS, 128, 1)
+    real = grouped_attention.bitwise
+    monkeypatch.setattr(grouped_attention, "bitwise", lambda *a: False)
+    model = gqa_model(128)
+    assert not grouped_attention.wanted(model, 2)
+    assert [n.op_type for n in grouped_attention.rewrite(model, 2).graph.node] == ["GroupQueryAttention"]
+    monkeypatch.setattr(grouped_attention, "bitwise", real)
+    real.cache_clear()
+    with caplog.at_level("WARNING", logger="snapspec"):
+        assert grouped_attention.bitwise(HEADS, KV_HEADS, 128, 2)
+    assert not caplog.records  # bitwise here: nothing said
 
 
 def test_node_the_rewrite_is_off_unless_asked(monkeypatch):

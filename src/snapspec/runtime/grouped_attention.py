@@ -41,13 +41,21 @@ step ran 0.92-1.02x as fast with it from an empty context, 0.92-1.04x after 1,02
 turns it on when its context holds DEEP tokens or more (agents resend thousands of tokens every turn), through
 set_default before it loads the models. SNAPSPEC_GROUPED_ATTENTION=1 turns it on for every CPU session, =0 off (it
 overrides set_default).
+
+The runtime does not rely on that reading of MLAS alone: before it rewrites a node, `bitwise` runs the rewritten
+node on this CPU at the node's shape and the session's thread count (a 9-row call against 9 one-row calls, across
+the 128-row split) and keeps onnxruntime's kernel, with one warning line, where any row differs.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import numpy as np
+
+log = logging.getLogger("snapspec")
 
 MS = "com.microsoft"
 ALIGN = 128  # MLAS's SGEMM K block (MLAS_SGEMM_STRIDEK): the cached values' split point is a multiple of it
@@ -85,22 +93,97 @@ def eligible(node, inputs: dict) -> bool:
     if {a.name for a in node.attribute} - PLAIN:
         return False
     heads, kv_heads = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
-    dims = [inputs[pk].get(i) for i in range(4)]
-    hd = dims[3]
-    return (inputs[pk].get("float") and inputs[pv].get("float") and isinstance(hd, int) and hd % CHUNK == 0
-            and dims[1] == kv_heads and heads > kv_heads and heads % kv_heads == 0)
+    (dims, key_float), (_, value_float) = inputs[pk], inputs[pv]
+    hd = dims[3] if len(dims) == 4 else None
+    return (key_float and value_float and isinstance(hd, int) and hd % CHUNK == 0 and dims[1] == kv_heads
+            and heads > kv_heads and heads % kv_heads == 0)
 
 
-def wanted(model) -> bool:
+def _chosen(node, inputs: dict, threads: int) -> bool:
+    """Eligible, and bitwise on this CPU at its shape."""
+    if not eligible(node, inputs):
+        return False
+    return bitwise(_attr(node, "num_heads"), _attr(node, "kv_num_heads"), inputs[node.input[3]][0][3], threads)
+
+
+def wanted(model, threads: int = 1) -> bool:
+    """Whether rewrite() would change `model` in a session of `threads` intra-op threads."""
     if not enabled():
         return False
     inputs = _inputs(model)
-    return any(eligible(n, inputs) for n in model.graph.node)
+    return any(_chosen(n, inputs, threads) for n in model.graph.node)
 
 
-def rewrite(model):
+@functools.lru_cache(maxsize=None)
+def bitwise(heads: int, kv_heads: int, hd: int, threads: int) -> bool:
+    """Whether the rewritten node gives each row of a 9-row call (and its spare row) the bits of 9 one-row calls on
+    this CPU, after 120 cached rows (so the calls cross the 128-row split), with `threads` intra-op threads. A row
+    that differs keeps onnxruntime's kernel for that shape, with one warning line."""
+    import onnxruntime as ort
+
+    model = node_model(heads, kv_heads, hd)
+    rewrite(model, threads, probe=False)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    views = view_inputs(session)
+    rng = np.random.default_rng(0)
+    past, rows, cap = 120, 9, 160
+    buffers = [rng.standard_normal((1, kv_heads, cap, hd)).astype(np.float32) for _ in range(2)]
+    q, k, v = (rng.standard_normal((1, rows, n * hd)).astype(np.float32) for n in (heads, kv_heads, kv_heads))
+
+    def call(bufs, at: int, sl: slice) -> np.ndarray:
+        b = session.io_binding()
+        b.bind_output("y")
+        values = [ort.OrtValue.ortvalue_from_numpy(x) for x in bufs]
+        for name, value, present in zip(("past_key", "past_value"), values, ("present_key", "present_value")):
+            b.bind_ortvalue_input(name, value)
+            b.bind_ortvalue_output(present, value)
+            bind_views(b, name, value, at, views)
+        for name, x in (("query", q), ("key", k), ("value", v)):
+            b.bind_cpu_input(name, np.concatenate([x[:, sl], x[:, sl][:, -1:]], axis=1))  # with the spare row
+        n = len(range(*sl.indices(rows))) + 1
+        b.bind_cpu_input("seqlens_k", np.array([at + n - 1], np.int32))
+        b.bind_cpu_input("total_sequence_length", np.array(at + n, np.int32))
+        session.run_with_iobinding(b)
+        return b.get_outputs()[0].numpy()[0]
+
+    many = call([x.copy() for x in buffers], past, slice(0, rows))
+    one = [x.copy() for x in buffers]
+    same = all(np.array_equal(call(one, past + i, slice(i, i + 1))[0], many[i]) for i in range(rows))
+    if not same:
+        log.warning(f"attention as grouped MatMuls is not row-invariant on this CPU ({heads}/{kv_heads} heads of "
+                    f"{hd}, {threads} threads): onnxruntime's GroupQueryAttention kept")
+    return same
+
+
+def node_model(heads: int, kv_heads: int, hd: int):
+    """One GroupQueryAttention on shared KV buffers [batch, kv_heads, context, hd], as the exports write it."""
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    node = helper.make_node("GroupQueryAttention", ["query", "key", "value", "past_key", "past_value", "seqlens_k",
+                                                    "total_sequence_length"], ["y", "present_key", "present_value"],
+                            domain=MS, name="attention", num_heads=heads, kv_num_heads=kv_heads)
+    kv = ["batch", kv_heads, "context", hd]
+    graph = helper.make_graph([node], "attention", [
+        helper.make_tensor_value_info("query", T.FLOAT, [1, "rows", heads * hd]),
+        helper.make_tensor_value_info("key", T.FLOAT, [1, "rows", kv_heads * hd]),
+        helper.make_tensor_value_info("value", T.FLOAT, [1, "rows", kv_heads * hd]),
+        helper.make_tensor_value_info("past_key", T.FLOAT, kv), helper.make_tensor_value_info("past_value", T.FLOAT, kv),
+        helper.make_tensor_value_info("seqlens_k", T.INT32, [1]),
+        helper.make_tensor_value_info("total_sequence_length", T.INT32, [])],
+        [helper.make_tensor_value_info(n, T.FLOAT, None) for n in ("y", "present_key", "present_value")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    model.ir_version = 10
+    return model
+
+
+def rewrite(model, threads: int = 1, probe: bool = True):
     """Replace every eligible GroupQueryAttention of `model` (an onnx ModelProto) by the nodes of the module doc, in
-    place; the view inputs join the graph's inputs."""
+    place, where it is bitwise on this CPU in a session of `threads` threads (probe=False: without asking); the view
+    inputs join the graph's inputs."""
     from onnx import TensorProto, helper, numpy_helper
 
     g = model.graph
@@ -115,11 +198,11 @@ def rewrite(model):
         return name
 
     for node in g.node:
-        if not (enabled() and eligible(node, inputs)):
+        if not (enabled() and (_chosen(node, inputs, threads) if probe else eligible(node, inputs))):
             nodes.append(node)
             continue
         heads, kv_heads = _attr(node, "num_heads"), _attr(node, "kv_num_heads")
-        hd = inputs[node.input[3]][3]
+        hd = inputs[node.input[3]][0][3]
         scale = _attr(node, "scale") or hd ** -0.5
         made_nodes, made_views = _grouped(node, heads, kv_heads, hd, float(scale), const, helper)
         nodes += made_nodes
@@ -253,12 +336,7 @@ def _attr(node, name: str):
 
 
 def _inputs(model) -> dict:
-    """Graph inputs: {name: {axis: int or symbolic name, "float": element type is float32}}."""
+    """Graph inputs: {name: (dims, each an int or a symbolic name; whether the element type is float32)}."""
     from onnx import TensorProto
-    out = {}
-    for i in model.graph.input:
-        t = i.type.tensor_type
-        dims = {n: (d.dim_value if d.HasField("dim_value") else d.dim_param) for n, d in enumerate(t.shape.dim)}
-        dims["float"] = t.elem_type == TensorProto.FLOAT
-        out[i.name] = dims
-    return out
+    return {i.name: ([d.dim_value if d.HasField("dim_value") else d.dim_param for d in i.type.tensor_type.shape.dim],
+                     i.type.tensor_type.elem_type == TensorProto.FLOAT) for i in model.graph.input}

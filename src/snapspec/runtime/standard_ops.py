@@ -156,7 +156,8 @@ def for_cpu(source, path, opts):
     if isinstance(source, bytes):  # made by another rewrite, which pointed `opts` at the weights already
         import onnx
         model = onnx.load_from_string(source)
-        return _both(model).SerializeToString() if _wants(model) else source
+        threads = opts.intra_op_num_threads
+        return _both(model, threads).SerializeToString() if _wants(model, threads) else source
     try:
         if os.path.getsize(source) > 1 << 30:  # inline weights: not an export of ours, left as it is
             return source
@@ -169,7 +170,9 @@ def for_cpu(source, path, opts):
         return source
     from .exactness import EXTERNAL_FOLDER
 
-    version = VERSION + (grouped_attention.VERSION if grouped_attention.enabled() else b"")
+    threads = opts.intra_op_num_threads  # grouped attention is probed at the session's thread count
+    version = VERSION + (grouped_attention.VERSION + f"threads {threads}\n".encode()
+                         if grouped_attention.enabled() else b"")
     cached = _cache() / f"{hashlib.sha256(version + data).hexdigest()[:32]}.onnx"
     try:
         out = cached.read_bytes()
@@ -179,24 +182,25 @@ def for_cpu(source, path, opts):
             model = onnx.load_from_string(data)
         except Exception:  # a corrupt graph: onnxruntime's load says what is wrong with it
             return source
-        if not _wants(model):
+        if not _wants(model, threads):
             return source
-        out = _both(model).SerializeToString()
+        out = _both(model, threads).SerializeToString()
         _keep(cached, out)
     opts.add_session_config_entry(EXTERNAL_FOLDER, os.path.dirname(os.path.abspath(path)))
     return out
 
 
-def _wants(model) -> bool:
-    return wanted(model) or grouped_attention.wanted(model)
+def _wants(model, threads: int) -> bool:
+    return wanted(model) or grouped_attention.wanted(model, threads)
 
 
-def _both(model):
-    """This module's rewrite, then grouped_attention's (GroupQueryAttention as grouped MatMuls)."""
+def _both(model, threads: int):
+    """This module's rewrite, then grouped_attention's (GroupQueryAttention as grouped MatMuls, where it is bitwise
+    on this CPU at `threads` threads)."""
     if wanted(model):
         rewrite(model)
-    if grouped_attention.wanted(model):
-        grouped_attention.rewrite(model)
+    if grouped_attention.wanted(model, threads):
+        grouped_attention.rewrite(model, threads)
     return model
 
 
