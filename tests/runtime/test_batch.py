@@ -108,7 +108,7 @@ def test_a_stable_batch_reuses_its_bindings(loaded):
     kw = dict(max_new_tokens=NEW, stop_at_eos=False)
     with Batch(t, parallel=3, context=CONTEXT, scheduler=Scheduler(t, patience=30.0)) as b:
         got = together(b, ps, **kw)
-        runner = b.scheduler._runners["forward", 3]
+        runner = b.scheduler._runners["forward", 3, False]
         made, forwards = len(runner._bindings), b.scheduler.counters.batched_forwards
     for i, p in enumerate(ps):
         assert got[i] == alone(t, p, **kw), f"prompt {i} differs from its run alone"

@@ -91,14 +91,16 @@ class Sequence:
 class Batch:
     def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
                  window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True,
-                 scheduler: Scheduler | None = None, stepping: str = "auto"):
+                 scheduler: Scheduler | None = None, stepping: str = "auto", graphs: int = 0):
         """drafter: what pair.make_drafter takes (each slot gets its own draft source: pair.slot_drafters);
         parallel: sequences at once; context: tokens each slot holds (default: the exports' max_context); warm: make
         the graphs for 2..parallel sequences now rather than at the first step that needs each; scheduler: another
         Batch's (its `scheduler`), to run this Batch's sequences in the same forwards as that one's (two draft
         sources in one batch); stepping: "one" runs every sequence in the scheduler's thread (stepping.py),
         "threads" gives each a thread of its own, "auto" is "threads" where a slot drafts with a model of its own
-        (its forwards then overlap other sequences' on the CPU's cores) and "one" otherwise."""
+        (its forwards then overlap other sequences' on the CPU's cores) and "one" otherwise; graphs: the steps and
+        verifies of up to this many rows a sequence replay CUDA graphs of the batched forward (Scheduler's graphs;
+        runners/batched_captured.py), a lone sequence's too."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
         if stepping not in ("auto", "one", "threads"):
@@ -107,7 +109,9 @@ class Batch:
         self.parallel = int(parallel)
         sources = slot_drafters(target, drafter, self.parallel)
         self.drafter = sources[0]
-        self.scheduler = scheduler or Scheduler(target, patience=patience)
+        if scheduler is not None and graphs and scheduler.graphs != graphs:
+            raise SnapspecError("graphs is the scheduler's: pass it to the Scheduler this Batch shares")
+        self.scheduler = scheduler or Scheduler(target, patience=patience, graphs=graphs)
         self._owns_scheduler = scheduler is None
         length = check_context(target, self.drafter, context)
         w = window_of(target, window)
@@ -124,7 +128,7 @@ class Batch:
             self.pairs.append(pair)
             self._free.put(pair)
         if warm:
-            self.scheduler.warm(range(2, self.parallel + 1))
+            self.scheduler.warm(range(1 if self.scheduler.graphs else 2, self.parallel + 1))
         self._count = 0
         self._lock = threading.Lock()
         if stepping == "auto":  # a drafter model's context (Extras.context) runs forwards outside the scheduler

@@ -140,3 +140,25 @@ def batched(model, n: int, state: list[dict], per_row_outputs=()):
     per_row(g.input, inputs)
     per_row(g.output, outputs)
     return model
+
+
+def reads_mask_values(model) -> bool:
+    """Whether any value of the batched graph's attention_mask reaches an output other than through its shape. In
+    snapspec's exports it does not: the mask gives GroupQueryAttention its lengths, which the batched graph takes per
+    row from the runner instead, and its width decides the spare attention row. The batched CUDA graphs
+    (runners/batched_captured.py) rely on this: their mask is bound once and never rewritten."""
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        for x in node.input:
+            consumers.setdefault(x, []).append(node)
+    outputs = {o.name for o in model.graph.output}
+    todo, seen = ["attention_mask"], set()
+    while todo:
+        x = todo.pop()
+        if x in outputs:
+            return True
+        for node in consumers.get(x, []):
+            if node.op_type != "Shape" and id(node) not in seen:
+                seen.add(id(node))
+                todo += [y for y in node.output if y]
+    return False

@@ -164,16 +164,17 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
 
 
 def open_like(model: Model, graph: bytes, path: Path, weights: dict | None = None,
-              spin: bool | None = None) -> ort.InferenceSession:
+              spin: bool | None = None, cuda_graph: bool = False) -> ort.InferenceSession:
     """A session on another form of a model's graph (its bytes, whose weights lie beside `path`, or are given as
     {name: OrtValue} in `weights`, shared), on the model's provider with the forward session's options (spin: whether
     its threads spin between runs, default the model's): the scheduler's graphs for several sequences (scheduler.py;
-    the MTP head's runs between the target's forwards, and does not spin, as load_head's session)."""
+    the MTP head's runs between the target's forwards, and does not spin, as load_head's session). cuda_graph: on
+    CUDA, the session captures and replays CUDA graphs, on snapspec's stream (runners/batched_captured.py)."""
     opts = _options(model.threads, model.spin if spin is None else spin)
     for name, value in (weights or {}).items():
         opts.add_initializer(name, value)
     opts.add_session_config_entry(exactness.EXTERNAL_FOLDER, str(Path(path).parent))
-    _, providers = configure(model.ep, opts, False)
+    _, providers = configure(model.ep, opts, False, cuda_graph=cuda_graph, shared_stream=cuda_graph)
     return _session(graph, opts, providers, name=Path(path))
 
 

@@ -41,10 +41,11 @@ import numpy as np
 
 from snapspec import SnapspecError
 
-from .batched_graph import batched
+from .batched_graph import batched, reads_mask_values
 from . import stepping
 from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result
+from .runners.batched_captured import CapturedBatch
 from .runners.batched_head import BatchedHead, HeadCall, head_batchable
 
 log = logging.getLogger("snapspec")
@@ -70,21 +71,29 @@ class Counters:
     rows: int = 0  # token rows run, padding included
     padded_rows: int = 0  # of those, padding
     sequences: int = 0  # sequence-calls served (sum of the batch sizes)
+    captured_forwards: int = 0  # forwards at fixed addresses (Scheduler(graphs=N)): CUDA graphs replayed on CUDA
 
 
 class Scheduler:
-    def __init__(self, model, *, patience: float = 0.05, heads: bool = True):
+    def __init__(self, model, *, patience: float = 0.05, heads: bool = True, graphs: int = 0):
         """model: the loaded target (CPU or CUDA, the forward graph: not a state-window graph, not CUDA graphs).
         patience: seconds the scheduler waits for every joined sequence's forward before running what it has.
-        heads: run the slots' MTP head calls batched too (False: each head runs its own, as alone)."""
+        heads: run the slots' MTP head calls batched too (False: each head runs its own, as alone).
+        graphs: run the target's calls of up to this many rows a sequence at fixed addresses, replayed as CUDA graphs
+        (runners/batched_captured.py; on CPU the same path without capture), a lone sequence's steps too (0: off)."""
         why = batchable(model)
         if why:
             raise SnapspecError(f"{model.folder.name} cannot run sequences in one forward: {why}")
+        if int(graphs) < 0:
+            raise SnapspecError(f"graphs must be >= 0 rows, got {graphs}")
+        if graphs and model.device not in ("cuda", "cpu"):
+            raise SnapspecError(f"batched CUDA graphs run on cuda (or on cpu, uncaptured), not {model.device}")
         self.model = model
+        self.graphs = int(graphs)
         self.patience = float(patience)
         self.counters = Counters()
         self.head_counters = Counters()
-        self._runners: dict[tuple, BatchedRunner | BatchedHead] = {}  # by (graph, sequences)
+        self._runners: dict[tuple, BatchedRunner | BatchedHead | CapturedBatch] = {}  # (graph, sequences, captured)
         self._weights: dict[str, dict] = {}  # each graph's weights, one copy for all its batched sessions (made once)
         self._rows = window_of(model) + 1  # the longest head call that joins others: a catch-up after a full round
         # why the MTP heads' calls cannot run batched ("": they can); None: not asked yet
@@ -146,8 +155,8 @@ class Scheduler:
     def warm(self, sizes) -> None:
         """Make the graphs for these batch sizes now (a server before its first request)."""
         for n in sizes:
-            if n > 1:
-                self._runner(n)
+            if n > 1 or self.graphs:
+                self._runner(n, captured=bool(self.graphs))
                 if self._heads == "":  # a drafter asked for batched head calls
                     self._runner(n, head=True)
 
@@ -276,7 +285,16 @@ class Scheduler:
         head = group[0].head
         counters = self.head_counters if head else self.counters
         try:
-            if len(group) == 1:
+            captured = self._captured(group)
+            if captured is not None:
+                results = captured.forward([p.call for p in group])
+                for p, r in zip(group, results):
+                    p.result = r
+                rows = len(group) * max(len(p.call.ids) for p in group)
+                counters.batched_forwards += len(group) > 1
+                counters.captured_forwards += 1
+                counters.padded_rows += rows - sum(len(p.call.ids) for p in group)
+            elif len(group) == 1:
                 c = group[0].call
                 group[0].result = c.alone() if head else c.ctx.bound.forward(c.keys, c.ids[None], c.start, c.keep,
                                                                              c.logits)
@@ -297,18 +315,32 @@ class Scheduler:
         for p in group:
             p.done.set()
 
-    def _runner(self, n: int, head: bool = False) -> BatchedRunner | BatchedHead:
+    def _captured(self, group: list[_Pending]) -> CapturedBatch | None:
+        """The fixed-address runner for this group's calls, where the scheduler has graphs and they fit: target
+        calls of at most `graphs` rows, and a key the runner has, or room for one more (a lone sequence's step too:
+        its runner is the graph for one sequence)."""
+        if not self.graphs or group[0].head or any(p.alone for p in group):
+            return None
+        calls = [p.call for p in group]
+        if max(len(c.ids) for c in calls) > self.graphs:
+            return None
+        runner = self._runner(len(calls), captured=True)
+        return runner if runner.fits(calls) else None
+
+    def _runner(self, n: int, head: bool = False, captured: bool = False):
         graph = "mtp" if head else "forward"
         with self._lock:
-            if (graph, n) not in self._runners:
+            if (graph, n, captured) not in self._runners:
                 started = time.monotonic()
                 if graph not in self._weights:
                     from .head import external_values
                     self._weights[graph] = external_values(self.model.manifest, graph, ep=self.model.ep)
-                session = batched_session(self.model, n, self._weights[graph], graph)
-                self._runners[graph, n] = (BatchedHead if head else BatchedRunner)(self.model, n, session)
-                log.info("%s graph for %d sequences ready in %.1f s", graph, n, time.monotonic() - started)
-            return self._runners[graph, n]
+                session = batched_session(self.model, n, self._weights[graph], graph, cuda_graph=captured)
+                kind = CapturedBatch if captured else BatchedHead if head else BatchedRunner
+                self._runners[graph, n, captured] = kind(self.model, n, session)
+                log.info("%s graph for %d sequences%s ready in %.1f s", graph, n, " (captured)" * captured,
+                         time.monotonic() - started)
+            return self._runners[graph, n, captured]
 
 
 def batchable(model) -> str | None:
@@ -333,7 +365,7 @@ def batchable(model) -> str | None:
     return None
 
 
-def batched_session(model, n: int, weights: dict | None = None, graph: str = "forward"):
+def batched_session(model, n: int, weights: dict | None = None, graph: str = "forward", cuda_graph: bool = False):
     """A session on the model's forward graph (graph="mtp": its MTP head's) rewritten for n sequences
     (batched_graph.batched), on the model's provider and options. An int4 graph on CPU that load() (load_head) runs
     with paired rows (runtime/exactness.py) runs here as exported where calls of several rows already give each row
@@ -369,4 +401,8 @@ def batched_session(model, n: int, weights: dict | None = None, graph: str = "fo
     else:
         packed = m.rollback_data
         proto = batched(proto, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
-    return open_like(model, proto.SerializeToString(), path, weights, spin=False if head else None)
+        if cuda_graph and reads_mask_values(proto):
+            raise SnapspecError(f"{model.folder.name}: its batched graph reads the attention mask's values, which "
+                                "batched CUDA graphs bind once (runners/batched_captured.py): run without graphs")
+    return open_like(model, proto.SerializeToString(), path, weights, spin=False if head else None,
+                     cuda_graph=cuda_graph)

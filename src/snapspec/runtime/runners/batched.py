@@ -74,7 +74,7 @@ class BatchedRunner:
         starts = np.array([c.start for c in calls], dtype=np.int64)
         positions = starts[:, None] + np.arange(t_max, dtype=np.int64)
         mask = (np.arange(starts.max() + t_max) < (starts + t_max)[:, None]).astype(np.int64)
-        kept = max(t_max - len(c.ids) + c.keep for c in calls)
+        _, kept = padded(calls)
         host_logits = any(c.logits for c in calls) or not self.io.argmax_in_graph
         hidden = any(c.ctx.hidden for c in calls) and "hidden" in self.io.outputs
 
@@ -143,6 +143,13 @@ class BatchedRunner:
         if len(self._bindings) > CACHED:
             self._bindings.popitem(last=False)
         return b, order, state
+
+
+def padded(calls: list[Call]) -> tuple[int, int]:
+    """The rows of a batched call (the longest call's) and the rows it keeps: the most any call needs, counted from
+    the end of the padded rows."""
+    t_max = max(len(c.ids) for c in calls)
+    return t_max, max(t_max - len(c.ids) + c.keep for c in calls)
 
 
 def attention_lengths(calls: list[Call], t: int) -> list[tuple[np.ndarray, np.ndarray]]:
