@@ -33,6 +33,8 @@ def main(argv=None) -> int:
                    help="who runs the sequences' Python: the scheduler's thread (one) or a thread each (Batch)")
     p.add_argument("--ort-profile", type=Path, default=None, help="folder for onnxruntime's profile of the "
                    "largest N's batched graph (its node times by operator type are printed)")
+    p.add_argument("--graphs", type=int, default=0, metavar="N",
+                   help="steps replay CUDA graphs of the batched forward (Batch(graphs=N); one sequence's too)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -41,6 +43,7 @@ def main(argv=None) -> int:
     from snapspec.runtime import load
     from snapspec.runtime.batch import Batch
     from snapspec.runtime.runners.batched import BatchedRunner
+    from snapspec.runtime.runners.batched_captured import CapturedBatch
     from snapspec.runtime.runners.bound import BoundRunner
 
     sizes = [int(x) for x in a.parallel.split(",")]
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
 
     ort.InferenceSession.run_with_iobinding = timed_run
     BatchedRunner.forward = timed(BatchedRunner.forward, lambda args: True)
+    CapturedBatch.forward = timed(CapturedBatch.forward, lambda args: True)
     BoundRunner.forward = timed(BoundRunner.forward, lambda args: args[1].shape[1] == 1)  # (keys, ids [1, T], ...)
     if a.ort_profile is not None:
         a.ort_profile.mkdir(parents=True, exist_ok=True)
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
     rows = []
     for n in sizes:
         prompts = [target.encode(texts[i % len(texts)]) for i in range(n)]
-        batch = Batch(target, None, parallel=n, context=max(map(len, prompts)) + a.new + 16, stepping=a.stepping)
+        batch = Batch(target, None, parallel=n, context=max(map(len, prompts)) + a.new + 16, stepping=a.stepping,
+                      graphs=a.graphs)
         kw = dict(max_new_tokens=a.new, stop_at_eos=False)
         batch.generate(prompts, **kw)  # every graph made, every buffer touched
         calls.clear()
@@ -97,13 +102,13 @@ def main(argv=None) -> int:
         wall = steps[-1][1] - since
         per = lambda x: round(1e3 * x / len(steps), 3)  # noqa: E731 (ms per step)
         forward, run_s = sum(end - start for start, end, _, _ in steps), sum(c[2] for c in steps)
-        row = {"sequences": n, "stepping": batch.stepping, "decode_forwards": len(steps), "ms_per_step": per(wall), "run_ms": per(run_s),
+        row = {"sequences": n, "stepping": batch.stepping, "graphs": a.graphs, "decode_forwards": len(steps), "ms_per_step": per(wall), "run_ms": per(run_s),
                "runner_python_ms": per(forward - run_s), "outside_forward_ms": per(wall - forward),
                "tokens_per_s": round(n * a.new / total, 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.ort_profile is not None and n == max(sizes) and n > 1:
-            runner = batch.scheduler._runners.get(("forward", n))
+            runner = batch.scheduler._runners.get(("forward", n, bool(a.graphs)))
             if runner is not None:
                 rows.append({"ort_profile": summarize(runner.session.end_profiling())})
                 print(json.dumps(rows[-1]), flush=True)

@@ -11,6 +11,7 @@ each head alone, as before they were batched), and the per-prompt time to first 
 python benchmarks/batching.py --target T [--drafter ngram|mtp|FOLDER] --parallel 4 \
     --prompts ../shared/models/pair-a/prompts.jsonl --limit 4 --new 128 --threads 2 --json out.json
 python benchmarks/batching.py --ep cuda --target T16 --parallel 16 --limit 16 ...   # an fp16 export on a GPU
+python benchmarks/batching.py --ep cuda --graphs 1 ...   # CUDA graphs: of the batched forward, and of one sequence
 
 On CUDA the target loads with the replay rollback (the forward graph: batching does not run the state-window graph)
 and texts together are compared with alone but not required equal: cuBLAS may pick another kernel for 16 rows than
@@ -56,6 +57,10 @@ def main(argv=None) -> int:
                    help="who runs the sequences' Python: the scheduler's thread (one) or a thread each (Batch)")
     p.add_argument("--head-batching", choices=["on", "off"], default="on",
                    help="run the slots' MTP head calls in one forward (off: each head alone, as before)")
+    p.add_argument("--graphs", type=int, default=0, metavar="N",
+                   help="together: steps and verifies of up to N rows a sequence replay CUDA graphs of the batched "
+                        "forward (Batch(graphs=N)); one at a time: the target loaded with cuda_graph=N on CUDA "
+                        "(its fastest single sequence), as loaded on CPU")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -76,8 +81,11 @@ def main(argv=None) -> int:
     if drafter is not None:
         kw["draft_max"] = draft_max
 
-    pair = Pair(target, drafter, length=context)
-    scheduler = Scheduler(target, heads=a.head_batching == "on")
+    single = target
+    if a.graphs and a.ep == "cuda":  # a second copy on the device, capturing one sequence's steps
+        single = load(a.target, threads=a.threads, ep=a.ep, rollback="replay", cuda_graph=a.graphs)
+    pair = Pair(single, drafter, length=context)
+    scheduler = Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs)
     batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler, stepping=a.stepping)
 
     costs = None
@@ -94,7 +102,7 @@ def main(argv=None) -> int:
         for ids in prompts:
             pair.reset()
             t0 = time.perf_counter()
-            gen = Generator(target, ids, pair=pair, **kw)
+            gen = Generator(single, ids, pair=pair, **kw)
             first = None
             for _ in gen:
                 first = first or time.perf_counter() - t0
@@ -165,7 +173,7 @@ def main(argv=None) -> int:
     batch.close()
     scheduler.close()
     result = {"cpu": cpu(), "ep": a.ep, "target": str(a.target), "drafter": a.drafter, "parallel": a.parallel,
-              "stepping": batch.stepping, "head_batching": a.head_batching,
+              "stepping": batch.stepping, "head_batching": a.head_batching, "graphs": a.graphs,
               "prompts": len(prompts), "new": a.new, "threads": a.threads, "draft_max": a.draft_max, "runs": runs,
               "ratio_median": sorted(r["ratio"] for r in runs)[len(runs) // 2]}
     print(f"CPU: {result['cpu']}")
