@@ -58,9 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--head-batching", choices=["on", "off"], default="on",
                    help="run the slots' MTP head calls in one forward (off: each head alone, as before)")
     p.add_argument("--graphs", type=int, default=0, metavar="N",
-                   help="together: steps and verifies of up to N rows a sequence replay CUDA graphs of the batched "
-                        "forward (Batch(graphs=N)); one at a time: the target loaded with cuda_graph=N on CUDA "
-                        "(its fastest single sequence), as loaded on CPU")
+                   help="steps and verifies of up to N rows a sequence replay CUDA graphs: the target loads with "
+                        "cuda_graph=N (one at a time: its own captured steps; together: the batched forward's, "
+                        "Scheduler(graphs=N)); on CPU the same fixed-address path, uncaptured")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     from snapspec.runtime.batch import Batch
     from snapspec.runtime.scheduler import Scheduler
 
-    target = load(a.target, threads=a.threads, ep=a.ep, **({"rollback": "replay"} if a.ep != "cpu" else {}))
+    graphs = {"cuda_graph": a.graphs} if a.graphs and a.ep == "cuda" else {}  # a target that replays CUDA graphs
+    target = load(a.target, threads=a.threads, ep=a.ep, **({"rollback": "replay"} if a.ep != "cpu" else {}), **graphs)
     drafter = a.drafter
     if drafter not in (None, "ngram", "mtp"):
         drafter = load(Path(drafter), role="drafter", threads=a.threads, ep=a.ep)
@@ -81,10 +82,7 @@ def main(argv=None) -> int:
     if drafter is not None:
         kw["draft_max"] = draft_max
 
-    single = target
-    if a.graphs and a.ep == "cuda":  # a second copy on the device, capturing one sequence's steps
-        single = load(a.target, threads=a.threads, ep=a.ep, rollback="replay", cuda_graph=a.graphs)
-    pair = Pair(single, drafter, length=context)
+    pair = Pair(target, drafter, length=context)
     scheduler = Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs)
     batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler, stepping=a.stepping)
 
@@ -102,7 +100,7 @@ def main(argv=None) -> int:
         for ids in prompts:
             pair.reset()
             t0 = time.perf_counter()
-            gen = Generator(single, ids, pair=pair, **kw)
+            gen = Generator(target, ids, pair=pair, **kw)
             first = None
             for _ in gen:
                 first = first or time.perf_counter() - t0

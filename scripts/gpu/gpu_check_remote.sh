@@ -19,7 +19,8 @@
 #                                                     SHAPES=pa|4b (any mode here): one of the two shapes
 #   scripts/gpu/gpu_check_remote.sh graphs C2 OUT     as stepping, with CUDA graphs of the batched forward
 #                                                     (Batch(graphs=1)) against one sequence replaying its own
-#                                                     (cuda_graph=1), and the same run without graphs on both sides
+#                                                     (cuda_graph=1), and the same run without graphs on both sides;
+#                                                     NGRAM=1: also n-gram drafts, verifies replayed (graphs 5)
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -88,15 +89,18 @@ PY
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
     if [ $cmd = graphs ]; then
-      for gr in 1 0; do
+      for gr in ${GRAPHS_LIST:-1 0}; do
         python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 1,16 --new 64 \
           --prompts $c2/prompts.jsonl --stepping one --graphs $gr 2>&1 | grep '^{' | tee -a $out/step-profile-$shape.txt
       done
-      for gr in 1 0; do
+      for gr in ${GRAPHS_LIST:-1 0}; do
         python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 --new ${NEW:-256} \
           --prompts $c2/prompts.jsonl --stepping one --graphs $gr --reps $([ $gr = 1 ] && echo 2 || echo 1) \
           --json $out/batch-$shape-graphs$gr.json 2>&1 | tail -4 | tee -a $out/batch-$shape.txt
       done
+      [ -n "${NGRAM:-}" ] && python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
+        --new 128 --prompts $c2/prompts.jsonl --stepping one --drafter ngram --draft-max 4 --graphs 5 --reps 2 \
+        --json $out/batch-$shape-ngram-graphs5.json 2>&1 | tail -4 | tee -a $out/batch-$shape.txt
       continue
     fi
     if [ $cmd = stepping ]; then

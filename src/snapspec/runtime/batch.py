@@ -91,7 +91,7 @@ class Sequence:
 class Batch:
     def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
                  window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True,
-                 scheduler: Scheduler | None = None, stepping: str = "auto", graphs: int = 0):
+                 scheduler: Scheduler | None = None, stepping: str = "auto", graphs: int | None = None):
         """drafter: what pair.make_drafter takes (each slot gets its own draft source: pair.slot_drafters);
         parallel: sequences at once; context: tokens each slot holds (default: the exports' max_context); warm: make
         the graphs for 2..parallel sequences now rather than at the first step that needs each; scheduler: another
@@ -100,7 +100,7 @@ class Batch:
         "threads" gives each a thread of its own, "auto" is "threads" where a slot drafts with a model of its own
         (its forwards then overlap other sequences' on the CPU's cores) and "one" otherwise; graphs: the steps and
         verifies of up to this many rows a sequence replay CUDA graphs of the batched forward (Scheduler's graphs;
-        runners/batched_captured.py), a lone sequence's too."""
+        runners/batched_captured.py), a lone sequence's too (default: the target's cuda_graph)."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
         if stepping not in ("auto", "one", "threads"):
@@ -109,7 +109,7 @@ class Batch:
         self.parallel = int(parallel)
         sources = slot_drafters(target, drafter, self.parallel)
         self.drafter = sources[0]
-        if scheduler is not None and graphs and scheduler.graphs != graphs:
+        if scheduler is not None and graphs is not None and scheduler.graphs != graphs:
             raise SnapspecError("graphs is the scheduler's: pass it to the Scheduler this Batch shares")
         self.scheduler = scheduler or Scheduler(target, patience=patience, graphs=graphs)
         self._owns_scheduler = scheduler is None

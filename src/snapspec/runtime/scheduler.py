@@ -75,15 +75,17 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, model, *, patience: float = 0.05, heads: bool = True, graphs: int = 0):
-        """model: the loaded target (CPU or CUDA, the forward graph: not a state-window graph, not CUDA graphs).
+    def __init__(self, model, *, patience: float = 0.05, heads: bool = True, graphs: int | None = None):
+        """model: the loaded target (CPU or CUDA, the forward graph: not a state-window graph).
         patience: seconds the scheduler waits for every joined sequence's forward before running what it has.
         heads: run the slots' MTP head calls batched too (False: each head runs its own, as alone).
         graphs: run the target's calls of up to this many rows a sequence at fixed addresses, replayed as CUDA graphs
-        (runners/batched_captured.py; on CPU the same path without capture), a lone sequence's steps too (0: off)."""
+        (runners/batched_captured.py; on CPU the same path without capture), a lone sequence's steps too (0: off;
+        default: the model's cuda_graph, so a target loaded with CUDA graphs batches with them)."""
         why = batchable(model)
         if why:
             raise SnapspecError(f"{model.folder.name} cannot run sequences in one forward: {why}")
+        graphs = model.graph_tokens if graphs is None else graphs
         if int(graphs) < 0:
             raise SnapspecError(f"graphs must be >= 0 rows, got {graphs}")
         if graphs and model.device not in ("cuda", "cpu"):
@@ -114,8 +116,6 @@ class Scheduler:
         own model where it offers them (Extras.batched: an MTP head)."""
         if ctx.model is not self.model:
             raise SnapspecError("a scheduler runs the contexts of its own model")
-        if ctx.captured is not None:
-            raise SnapspecError("batched forwards do not replay CUDA graphs: load the model without cuda_graph")
         ctx.batch = self
         self._rows = max(self._rows, self._short(ctx))
         if drafter is not None and drafter.extras.batched is not None and self.batches_heads():
@@ -348,8 +348,6 @@ def batchable(model) -> str | None:
     m = model.manifest
     if model.state_window is not None:
         return "it runs the state-window graph (load it with the replay rollback: the forward graph)"
-    if model.graph_tokens:
-        return "it replays CUDA graphs (load it without cuda_graph)"
     if m.data["graphs"]["forward"].get("position_rows", 1) > 1:
         return "its graph takes several rows of positions (an onnxruntime-genai folder)"
     if any(s["shape"][0] != "batch" for s in m.state):

@@ -88,8 +88,8 @@ class MtpDrafter(Drafter):
 
     def batch_with(self, scheduler) -> None:
         """Run the head's forwards through the scheduler of the target's sequences (Scheduler.attach asks), with the
-        other slots' heads in one forward (runners/batched_head.py). A chained head keeps its own fixed-address
-        steps (the scheduler refuses targets loaded with CUDA graphs anyway)."""
+        other slots' heads in one forward (runners/batched_head.py). A chained head (a target loaded with CUDA
+        graphs) keeps its own fixed-address steps, one sequence's at a time; the target's verifies still batch."""
         self._scheduler = scheduler
         self._attach()
 

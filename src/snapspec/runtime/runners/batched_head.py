@@ -23,8 +23,8 @@ Exactness: each row's ids, hidden and logits, and the KV rows it writes, get the
 (tests/runtime/test_batch_heads.py). fp32 ops give each row its bits whatever rows run beside it
 (tests/export/test_batch_rows.py); an int4 head runs paired one-row calls alone (runtime/head.py) and several rows,
 unpaired, here, where several-row calls give each row the paired call's bits (exactness.several_rows_bitwise, as
-for the target's graph). The head on the fixed-address CUDA path (drafters/mtp_chain.py, ChainedHead) is not batched:
-the scheduler refuses a target loaded with CUDA graphs, and its chained drafts replay captured steps of one sequence.
+for the target's graph). The head on the fixed-address CUDA path (drafters/mtp_chain.py, ChainedHead: a target loaded with
+CUDA graphs) is not batched: its chained drafts replay captured steps of one sequence.
 """
 
 from __future__ import annotations
