@@ -114,3 +114,19 @@ def test_what_the_fixed_address_path_needs(loaded):
             Batch(t, parallel=2, context=CONTEXT, scheduler=s, graphs=2, warm=False)
     finally:
         s.close()
+
+
+def test_a_target_loaded_with_graphs_batches_with_them(loaded, monkeypatch):
+    """A target loaded with cuda_graph=N (serve --cuda-graph N --parallel P): its Scheduler takes N from it, its slots'
+    contexts (which have fixed-address runners of their own) join, and every sequence's tokens equal its tokens alone
+    on that model (its own fixed-address steps)."""
+    t = loaded("qwen3_5")
+    monkeypatch.setattr(t, "graph_tokens", 2)  # on CPU the fixed-address paths run uncaptured
+    ps = prompts(t.vocab_size, 3, seed=13)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False)
+    with Batch(t, "ngram", parallel=3, context=CONTEXT) as b:
+        assert b.scheduler.graphs == 2
+        got = together(b, ps, draft_max=1, **kw)
+        assert b.scheduler.counters.captured_forwards > 0
+    for i, p in enumerate(ps):
+        assert got[i] == alone(t, p, "ngram", draft_max=1, **kw), f"prompt {i} differs from its run alone"
