@@ -20,7 +20,9 @@
 #   scripts/gpu/gpu_check_remote.sh graphs C2 OUT     as stepping, with CUDA graphs of the batched forward
 #                                                     (Batch(graphs=1)) against one sequence replaying its own
 #                                                     (cuda_graph=1), and the same run without graphs on both sides;
-#                                                     NGRAM=1: also n-gram drafts, verifies replayed (graphs 5)
+#                                                     NGRAM=1: also n-gram drafts, verifies replayed (graphs 5);
+#                                                     GDIAG=1 first: scripts/gpu/graphs_diag.py (tiny models, every
+#                                                     architecture or GDIAG_ARCHS; DIAG_ONLY=1 stops after it)
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -71,6 +73,8 @@ PY
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
   cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
   [ $cmd = batch ] && for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
+  [ $cmd = graphs ] && [ -n "${GDIAG:-}" ] && { timeout 540 python3 scripts/gpu/graphs_diag.py ${GDIAG_ARCHS:-} 2>&1 |
+    grep -v Writing | tee $out/graphs-diag.txt; }
   [ -n "${DIAG_ONLY:-}" ] && exit
   python3 - <<'PY' 2>&1 | tail -3
 import shutil, torch, os
