@@ -8,6 +8,9 @@ The context keeps the sequence (position, tokens, rollback, checkpoint) and choo
                the device's stream, and greedy drafts chained on the device from them.
   batched.py   BatchedRunner: one forward over the calls of several sequences, each on its own state
                (runtime/batched_graph.py's graph); the scheduler (runtime/scheduler.py) gathers the calls.
+  batched_captured.py  CapturedBatch: the same forwards at fixed addresses, replayed as CUDA graphs
+               (Scheduler(graphs=N)).
+  batched_head.py  BatchedHead: the slots' MTP head calls in one forward.
   io.py        GraphIO: what the forward graph takes and gives (kept rows, argmax in the graph, output shapes),
                read once and shared by both runners.
 
@@ -16,8 +19,9 @@ context attached to a scheduler hands each forward to it (Context.forward), and 
 """
 
 from .batched import BatchedRunner
+from .batched_captured import CapturedBatch
 from .bound import BoundRunner
 from .captured import CapturedRunner
 from .io import GraphIO
 
-__all__ = ["BatchedRunner", "BoundRunner", "CapturedRunner", "GraphIO"]
+__all__ = ["BatchedRunner", "BoundRunner", "CapturedBatch", "CapturedRunner", "GraphIO"]
