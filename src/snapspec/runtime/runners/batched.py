@@ -65,16 +65,13 @@ class BatchedRunner:
         self._bindings: OrderedDict = OrderedDict()  # key -> (binding, output names, state outputs, contexts)
 
     def forward(self, calls: list[Call]) -> list[Result]:
-        n, t_max = len(calls), max(len(c.ids) for c in calls)
+        n = len(calls)
         assert n == self.n, f"a runner for {self.n} sequences got {n}"
-        ids = np.empty((n, t_max), dtype=np.int64)
-        for b, c in enumerate(calls):
-            ids[b, :len(c.ids)] = c.ids
-            ids[b, len(c.ids):] = c.ids[-1]  # padding: any token; the rows are rolled back
+        t_max, kept = padded(calls)
+        ids = padded_ids(calls, t_max)
         starts = np.array([c.start for c in calls], dtype=np.int64)
         positions = starts[:, None] + np.arange(t_max, dtype=np.int64)
         mask = (np.arange(starts.max() + t_max) < (starts + t_max)[:, None]).astype(np.int64)
-        _, kept = padded(calls)
         host_logits = any(c.logits for c in calls) or not self.io.argmax_in_graph
         hidden = any(c.ctx.hidden for c in calls) and "hidden" in self.io.outputs
 
@@ -150,6 +147,16 @@ def padded(calls: list[Call]) -> tuple[int, int]:
     the end of the padded rows."""
     t_max = max(len(c.ids) for c in calls)
     return t_max, max(t_max - len(c.ids) + c.keep for c in calls)
+
+
+def padded_ids(calls: list[Call], t: int) -> np.ndarray:
+    """[n, t] int64: each call's tokens, padded on the right with copies of its last (any token would do: its
+    context rolls the padded rows back)."""
+    ids = np.empty((len(calls), t), dtype=np.int64)
+    for b, c in enumerate(calls):
+        ids[b, :len(c.ids)] = c.ids
+        ids[b, len(c.ids):] = c.ids[-1]
+    return ids
 
 
 def attention_lengths(calls: list[Call], t: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -42,7 +42,7 @@ from ..batched_graph import ROW, SEQLENS, TOTAL, row_name
 from ..cuda_graph import GraphSession, run_options
 from ..device.stream import stream_for
 from ..state import allocate
-from .batched import Call, Result, padded
+from .batched import Call, Result, padded, padded_ids
 from .io import GraphIO
 
 MAX_GRAPHS = 32  # per runner (per number of sequences): onnxruntime keeps every graph for the session's life
@@ -94,10 +94,7 @@ class CapturedBatch:
         width = calls[0].ctx.max_len
         if any(c.ctx.max_len != width or c.ctx.kv_rows != calls[0].ctx.kv_rows for c in calls):
             raise SnapspecError("sequences of one batched graph need contexts of one length")
-        ids = np.empty((n, t), dtype=np.int64)
-        for b, c in enumerate(calls):
-            ids[b, :len(c.ids)] = c.ids
-            ids[b, len(c.ids):] = c.ids[-1]  # padding: rolled back by its context
+        ids = padded_ids(calls, t)
         starts = np.array([c.start for c in calls], dtype=np.int64)
         front, lengths = self._packed(t)
         staged = self.stream.staging(2 * n * t)
