@@ -287,3 +287,14 @@ def test_the_fixed_address_path_refuses_views(wide):
     target = load(wide[1], threads=1)
     with pytest.raises(SnapspecError, match="SNAPSPEC_GROUPED_ATTENTION=0"):
         Context(target, 64, mode="replay", window=8, graph_tokens=4)
+
+
+def test_batched_fixed_address_forwards_refuse_views(wide):
+    """So do batched forwards at fixed addresses (Batch(graphs=N)), when the Batch makes its graphs."""
+    from snapspec import SnapspecError
+    from snapspec.runtime import load
+    from snapspec.runtime.batch import Batch
+
+    target = load(wide[1], threads=1)
+    with pytest.raises(SnapspecError, match="SNAPSPEC_GROUPED_ATTENTION=0"):
+        Batch(target, parallel=2, context=64, graphs=2)

@@ -128,7 +128,12 @@ class Batch:
             self.pairs.append(pair)
             self._free.put(pair)
         if warm:
-            self.scheduler.warm(range(1 if self.scheduler.graphs else 2, self.parallel + 1))
+            try:
+                self.scheduler.warm(range(1 if self.scheduler.graphs else 2, self.parallel + 1))
+            except BaseException:
+                if self._owns_scheduler:  # its thread ends with the Batch that failed to start
+                    self.scheduler.close()
+                raise
         self._count = 0
         self._lock = threading.Lock()
         if stepping == "auto":  # a drafter model's context (Extras.context) runs forwards outside the scheduler

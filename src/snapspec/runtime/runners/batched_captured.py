@@ -57,6 +57,10 @@ class _Graph:
 
 class CapturedBatch:
     def __init__(self, model, n: int, session, max_graphs: int = MAX_GRAPHS):
+        from ..grouped_attention import view_inputs
+        if view_inputs(session):  # views of the cache bound per call: a fixed-address binding cannot hold them
+            raise SnapspecError("batched fixed-address forwards bind the KV cache once, and this CPU session reads it "
+                                "as per-call views (grouped attention): set SNAPSPEC_GROUPED_ATTENTION=0")
         if model.position_ids(0, 1) is None or model.position_ids(0, 1).ndim != 2:
             raise SnapspecError("batched CUDA graphs need a graph with [batch, T] position_ids")
         self.model, self.n, self.session, self.max_graphs = model, n, session, max_graphs
