@@ -161,6 +161,10 @@ def test_node_the_rewrite_is_off_unless_asked(monkeypatch):
     grouped_attention.set_default(True)
     try:
         assert grouped_attention.wanted(model)
+        long_export = tiny_export("qwen3_5_text", max_context=grouped_attention.DEEP)
+        assert long_context_attention(SimpleNamespace(context=None, target=long_export, drafter="mtp"))
+        # a drafter folder that holds fewer tokens shortens the server's context (pair.check_context)
+        assert not long_context_attention(SimpleNamespace(context=None, target=long_export, drafter=folder))
         monkeypatch.setenv("SNAPSPEC_GROUPED_ATTENTION", "0")
         assert not grouped_attention.wanted(model)
     finally:
@@ -182,6 +186,10 @@ def test_serve_turns_it_on_for_long_contexts(tiny_export, monkeypatch):
         assert not grouped_attention.wanted(model)
         assert long_context_attention(SimpleNamespace(context=grouped_attention.DEEP, target=folder))
         assert grouped_attention.wanted(model)
+        long_export = tiny_export("qwen3_5_text", max_context=grouped_attention.DEEP)
+        assert long_context_attention(SimpleNamespace(context=None, target=long_export, drafter="mtp"))
+        # a drafter folder that holds fewer tokens shortens the server's context (pair.check_context)
+        assert not long_context_attention(SimpleNamespace(context=None, target=long_export, drafter=folder))
         monkeypatch.setenv("SNAPSPEC_GROUPED_ATTENTION", "0")
         assert not grouped_attention.wanted(model)
     finally:

@@ -211,12 +211,16 @@ def _as_api_error(exc: Exception) -> api.ApiError:
 
 def long_context_attention(args) -> bool:
     """Turn on CPU attention as grouped MatMuls (runtime/grouped_attention.py, "When") for the models loaded next when
-    the server's context holds grouped_attention.DEEP tokens or more: its conversations grow. Returns the choice."""
+    the server's context holds grouped_attention.DEEP tokens or more: its conversations grow. The context is --context,
+    or the shortest max_context of the target and a drafter folder, as the server's will be (pair.check_context).
+    Returns the choice."""
     from snapspec import manifest
     from snapspec.runtime import grouped_attention
 
+    drafter = getattr(args, "drafter", None)
+    folders = [args.target] + ([drafter] if isinstance(drafter, Path) else [])
     try:
-        context = args.context or manifest.load(args.target, verify=False).max_context
+        context = args.context or min(manifest.load(f, verify=False).max_context for f in folders)
     except (SnapspecError, OSError):  # an unreadable folder: loading it says what is wrong with it
         return False
     grouped_attention.set_default(context >= grouped_attention.DEEP)
