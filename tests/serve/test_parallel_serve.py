@@ -59,6 +59,7 @@ def test_concurrent_replies_equal_replies_alone(target, drafter, tmp_path):
     assert m["snapspec_batch_rows_total"] >= m["snapspec_batch_forwards_total"]
     assert m["snapspec_batch_active_sequences"] == 0
     assert m["snapspec_batch_head_forwards_total"] == 0  # no MTP head here (tests/runtime/test_batch_heads.py)
+    assert m["snapspec_batch_captured_forwards_total"] == 0  # no CUDA graphs (tests/runtime/test_batch_graphs.py)
 
 
 def test_a_cancelled_stream_leaves_the_others_intact(target, tmp_path):

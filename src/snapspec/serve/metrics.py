@@ -133,7 +133,9 @@ class SchedulerCollector:
                 ("batched_forwards", "Forwards that ran several sequences' rows", c.batched_forwards),
                 ("rows", "Token rows run, padding included", c.rows),
                 ("padded_rows", "Padding rows (a shorter verify's, rolled back like a rejected draft)", c.padded_rows),
-                ("sequence_calls", "Sequences' forwards served (the sum of each forward's batch size)", c.sequences)):
+                ("sequence_calls", "Sequences' forwards served (the sum of each forward's batch size)", c.sequences),
+                ("captured_forwards", "Forwards at fixed addresses: CUDA graphs of the batched forward replayed "
+                 "(--cuda-graph)", c.captured_forwards)):
             family = CounterMetricFamily(f"snapspec_batch_{name}", doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family
