@@ -14,7 +14,7 @@ from tiny import make_tiny  # noqa: E402
 from snapspec.export import export  # noqa: E402
 from snapspec.runtime import Pair, load  # noqa: E402
 from snapspec.runtime.runners.batched import BatchedRunner, Call  # noqa: E402
-from snapspec.runtime.batched_graph import batched_session  # noqa: E402
+from snapspec.runtime.batched_session import batched_session  # noqa: E402
 
 arch = sys.argv[1] if len(sys.argv) > 1 else "qwen3_5"
 ep = sys.argv[2] if len(sys.argv) > 2 else "cuda"

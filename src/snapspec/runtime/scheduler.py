@@ -41,7 +41,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
-from .batched_graph import batched_session
+from .batched_session import batched_session
 from . import stepping
 from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result

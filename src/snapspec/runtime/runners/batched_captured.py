@@ -17,7 +17,7 @@ touches has a fixed address:
   total_sequence_length.row<b>   host scalars: the KV buffers' rows, fixed. A shape, read at capture, as the
                        single-sequence graphs keep it at the context size (cuda_graph.py)
   attention_mask       [n, max_len] of ones, never rewritten: the batched graph reads only its width (whether the
-                       spare row runs), which batched_session checks (batched_graph.reads_mask_values)
+                       spare row runs), which batched_session.py checks (batched_graph.reads_mask_values)
   state                each sequence's stores at the key's buffers, bound as runners/batched.py binds them
   rollback data        one buffer per row of each graph: a sequence's replay store reads its row until its next
                        forward, and only a later forward of the same sequences runs that graph again

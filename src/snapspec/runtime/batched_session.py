@@ -1,0 +1,52 @@
+"""The session of the forward graph for n sequences (batched_graph.py's rewrite) that the scheduler runs: on the
+model's provider and options, its weights shared with the other batch sizes' sessions."""
+
+from __future__ import annotations
+
+from snapspec import SnapspecError
+
+from .batched_graph import batched, reads_mask_values
+from .policy import window_of
+
+
+def batched_session(model, n: int, weights: dict | None = None, graph: str = "forward", cuda_graph: bool = False):
+    """A session on the model's forward graph (graph="mtp": its MTP head's) rewritten for n sequences (`batched`), on
+    the model's provider and options; cuda_graph: one that captures CUDA graphs (runners/batched_captured.py). An int4
+    graph on CPU that load() (load_head) runs with paired rows (runtime/exactness.py) runs here as exported where
+    calls of several rows already give each row the paired one-row call's bits (exactness.several_rows_bitwise):
+    n >= 2 sequences never make a one-row call, and pairing would double the rows of every step. weights: {name:
+    OrtValue} of its initializers that every such session shares (head.external_values): sessions for 2..N sequences
+    then hold the weights once (pre-packed CPU kernels still pack their own copy)."""
+    import onnx
+
+    from . import exactness
+    from .head import int4_head
+    from .model import open_like
+
+    m = model.manifest
+    head = graph == "mtp"
+    path = m.graph_path(graph)
+    source = str(path)
+    if model.device == "cpu" and (int4_head(m) if head else m.data["export"].get("quant") == "int4"):
+        import onnxruntime as ort
+        source, _ = exactness.load_graph(path, ort.SessionOptions(), model.threads)
+        proto = onnx.load(str(path), load_external_data=False)
+        kinds = exactness.graph_kinds(proto)
+        # the probe covers the most rows a call of n sequences makes here: n verifies (catch-ups) of W + 1 rows
+        rows = max(exactness.PROBE_ROWS, n * (window_of(model) + 1))
+        if isinstance(source, bytes) and not all(exactness.several_rows_bitwise(b, lv, model.threads, rows)
+                                                 for b, lv in kinds):
+            proto = onnx.load_from_string(source)  # rows stay paired (or at level 1), as alone
+    else:
+        proto = onnx.load(source, load_external_data=False)
+    if head:
+        from .runners.batched_head import keep_last_rows
+        proto = keep_last_rows(batched(proto, n, m.data["mtp"]["state"]))
+    else:
+        packed = m.rollback_data
+        proto = batched(proto, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
+        if cuda_graph and reads_mask_values(proto):
+            raise SnapspecError(f"{model.folder.name}: its batched graph reads the attention mask's values, which "
+                                "batched CUDA graphs bind once (runners/batched_captured.py): run without graphs")
+    return open_like(model, proto.SerializeToString(), path, weights, spin=False if head else None,
+                     cuda_graph=cuda_graph)
