@@ -63,16 +63,14 @@ class CapturedBatch:
                                 "as per-call views (grouped attention): set SNAPSPEC_GROUPED_ATTENTION=0")
         if model.position_ids(0, 1) is None or model.position_ids(0, 1).ndim != 2:
             raise SnapspecError("batched CUDA graphs need a graph with [batch, T] position_ids")
-        self.model, self.n, self.session, self.max_graphs = model, n, session, max_graphs
+        self.n, self.session, self.max_graphs = n, session, max_graphs
         self.device = model.device
         self.stream = stream_for(self.device)
         self.io = GraphIO(session, model.manifest.rollback_data)
         packed = model.manifest.rollback_data
         self.packed = packed["name"] if packed else None
-        self._rows = int(packed.get("rows") or 0) if packed else 0  # rollback rows of a forward (0: all)
         names = {i.name for i in session.get_inputs()}
         self.attention = row_name(TOTAL, 0) in names
-        self.extra = [o for o in self.io.outputs if o not in ("logits", "next_tokens") and ROW not in o]
         self.graphs = GraphSession(session)
         self._graphs: dict = {}
         self._inputs: dict[int, tuple] = {}  # T -> (ids | positions int64, seqlens int32)
@@ -154,13 +152,10 @@ class CapturedBatch:
             for store, k in zip(c.ctx.stores, c.keys):
                 bound += store.bind(b, k, suffix=row_name("", r))
         outputs = {}
-        sizes = {"batch": n, "sequence": t, "kept": kept if self.io.keeps_rows else t,
-                 "rollback_rows": min(t, self._rows or t)}
-        for name, o in self.io.outputs.items():
+        for name in self.io.outputs:
             if name in bound:
                 continue
-            dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
-            dtype = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}[o.type]
+            dims, dtype = self.io.shape(name, t, kept, batch=n)
             if self.packed and name.startswith(self.packed + ROW):
                 outputs[name] = allocate(dims, dtype, dev, 0)  # a sequence's rollback data: this graph's own
             else:

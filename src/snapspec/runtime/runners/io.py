@@ -20,10 +20,11 @@ class GraphIO:
         self.argmax_in_graph = "next_tokens" in self.outputs
         self._packed = rollback_data or {}
 
-    def shape(self, name: str, t: int, keep: int) -> tuple[list[int], type]:
-        """A graph output's shape for a call of t tokens keeping `keep` rows, from the graph's own dimensions."""
+    def shape(self, name: str, t: int, keep: int, batch: int = 1) -> tuple[list[int], type]:
+        """A graph output's shape for a call of t tokens keeping `keep` rows (of `batch` sequences: the batched
+        graph's), from the graph's own dimensions."""
         o = self.outputs[name]
-        sizes = {"batch": 1, "sequence": t, "kept": keep if self.keeps_rows else t,
+        sizes = {"batch": batch, "sequence": t, "kept": keep if self.keeps_rows else t,
                  "rollback_rows": min(t, int(self._packed.get("rows") or t))}
         dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
         return dims, _DTYPES[o.type]
