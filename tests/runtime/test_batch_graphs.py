@@ -130,3 +130,23 @@ def test_a_target_loaded_with_graphs_batches_with_them(loaded, monkeypatch):
         assert b.scheduler.counters.captured_forwards > 0
     for i, p in enumerate(ps):
         assert got[i] == alone(t, p, "ngram", draft_max=1, **kw), f"prompt {i} differs from its run alone"
+
+
+def test_warm_up_runs_the_sessions_that_will_run(loaded):
+    """serve's warm-up (runtime/warm.py: Scheduler.warm_rows) runs each batch size's widest call on the session that
+    will run it: the fixed-address one where those rows replay graphs, the ordinary one where they do not."""
+    from snapspec.runtime import Pair
+
+    t = loaded("qwen3_5")
+    for graphs, captured in ((32, True), (1, False)):  # the widest call: W + 1 rows
+        s = Scheduler(t, graphs=graphs)
+        try:
+            pairs = [Pair(t, None, length=CONTEXT) for _ in range(3)]
+            for p in pairs:
+                s.attach(p.tctx)
+            done = s.warm_rows([p.tctx for p in pairs])
+            assert [n for n, _ in done] == [2, 3]
+            assert all((("forward", n, captured) in s._runners) for n in (2, 3))
+            assert not any(("forward", n, not captured) in s._runners for n in (2, 3))
+        finally:
+            s.close()

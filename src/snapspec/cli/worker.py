@@ -84,7 +84,8 @@ class Worker(lifecycle.Admission):
             for slot in self.slots:
                 self.scheduler.attach(slot.tctx, slot.drafter)  # an MTP head's forwards too
                 slot.pair.sharing = sharing  # --draft-max auto: one k for the rows of every running request
-            self.scheduler.warm(range(2, self.parallel + 1))  # the graphs for 2..N sequences, before any request
+            # the graphs for 2..N sequences (1..N with CUDA graphs: a lone request's steps replay too), before any request
+            self.scheduler.warm(range(1 if self.scheduler.graphs else 2, self.parallel + 1))
         self.warmed = None
         if warm:  # every session's arena at its peak now, not over the first requests (runtime/warm.py)
             from snapspec.runtime.warm import warm as warm_up

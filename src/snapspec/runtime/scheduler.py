@@ -170,8 +170,9 @@ class Scheduler:
             for ctx in contexts[:n]:
                 t = min(self._short(ctx), ctx.max_len - 1)
                 calls.append(Call(ctx, ctx.keys(), np.zeros(t, dtype=np.int64), 0, t, True))
-            self._runner(n).forward(calls)
-            done.append((n, max(len(c.ids) for c in calls)))
+            rows = max(len(c.ids) for c in calls)  # at most `graphs` rows replay graphs (_captured): warm that session
+            self._runner(n, captured=0 < rows <= self.graphs).forward(calls)
+            done.append((n, rows))
         return done
 
     def close(self) -> None:
