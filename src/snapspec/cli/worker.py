@@ -168,6 +168,7 @@ class Worker(lifecycle.Admission):
         try:
             if job.cancelled:  # before it started: its client left, or the server is shutting down
                 self._count("cancelled")
+                _log(f"{job.id} {job.settings.kind}: cancelled before it started{self._why_stopped(job)}")
                 raise lifecycle.shutting_down() if job.shutdown else api.ApiError(499, "the client closed the "
                                                                                       "request")
             gen = slot.generator(job.prompt, constraint=job.constraint,
