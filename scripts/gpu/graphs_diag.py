@@ -1,6 +1,7 @@
 """Batched CUDA graphs against each sequence alone, on a GPU: for each tiny architecture exported in fp16, a target
 loaded with cuda_graph=5 and the replay rollback serves 5 prompts on 3 slots (runners/batched_captured.py: steps
-and n-gram verifies replayed) greedy with n-gram drafts, then plain; each prompt's tokens are compared with the
+and verifies replayed) greedy with n-gram drafts, then plain, then (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, exported with
+a random MTP head) MTP drafts chained on the device per slot; each prompt's tokens are compared with the
 prompt alone on the same model (its own captured steps). One line per architecture and mode; exit 1 if any differs.
 
     python scripts/gpu/graphs_diag.py [ARCH ...]   (from the checkout's root; default: every batchable architecture)
@@ -20,17 +21,19 @@ from snapspec.runtime import Generator, load  # noqa: E402
 from snapspec.runtime.batch import Batch  # noqa: E402
 from snapspec.runtime.scheduler import batchable  # noqa: E402
 
+MTP = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # families whose checkpoints carry an MTP head
 root = Path(tempfile.mkdtemp())
 failed = 0
 for arch in sys.argv[1:] or MODEL_TYPES:
-    export(make_tiny(arch, root / arch / "hf"), root / arch / "out", log=lambda *a: None, dtype="fp16")
+    mtp = arch in MTP
+    export(make_tiny(arch, root / arch / "hf", mtp=mtp), root / arch / "out", log=lambda *a: None, dtype="fp16")
     t = load(root / arch / "out", ep="cuda", rollback="replay", cuda_graph=5)
     why = batchable(t)
     if why is not None:
         print(f"{arch}: not batched ({why})", flush=True)
         continue
     ps = prompts(t.vocab_size, 5, seed=len(arch))
-    for drafter in ("ngram", None):
+    for drafter in ("ngram", None) + (("mtp",) if mtp else ()):  # mtp: each slot's head chains its drafts
         kw = dict(max_new_tokens=24, stop_at_eos=False, **({"draft_max": 4} if drafter else {}))
         with Batch(t, drafter, parallel=3, context=CONTEXT) as b:
             seqs = [b.submit(p, **kw) for p in ps]
