@@ -5,8 +5,10 @@ a random MTP head) MTP drafts chained on the device per slot; each prompt's toke
 prompt alone on the same model (its own captured steps). One line per architecture and mode; exit 1 if any differs.
 
     python scripts/gpu/graphs_diag.py [ARCH ...]   (from the checkout's root; default: every batchable architecture)
+    GRAPHS=0 python scripts/gpu/graphs_diag.py ...   the same without CUDA graphs on either side
 """
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +29,7 @@ failed = 0
 for arch in sys.argv[1:] or MODEL_TYPES:
     mtp = arch in MTP
     export(make_tiny(arch, root / arch / "hf", mtp=mtp), root / arch / "out", log=lambda *a: None, dtype="fp16")
-    t = load(root / arch / "out", ep="cuda", rollback="replay", cuda_graph=5)
+    t = load(root / arch / "out", ep="cuda", rollback="replay", cuda_graph=int(os.environ.get("GRAPHS", 5)))
     why = batchable(t)
     if why is not None:
         print(f"{arch}: not batched ({why})", flush=True)
