@@ -78,7 +78,6 @@ def test_past_the_most_graphs_the_ordinary_runner_takes_over(loaded, monkeypatch
     from snapspec.runtime.runners import batched_captured
 
     monkeypatch.setattr(batched_captured, "MAX_GRAPHS", 1)
-    monkeypatch.setattr(batched_captured.CapturedBatch.__init__, "__defaults__", (1,))
     t = loaded("qwen3_5")
     ps = prompts(t.vocab_size, 3, seed=5)
     kw = dict(max_new_tokens=NEW, stop_at_eos=False)

@@ -286,27 +286,21 @@ class Scheduler:
         head = group[0].head
         counters = self.head_counters if head else self.counters
         try:
-            captured = self._captured(group)
-            if captured is not None:
-                results = captured.forward([p.call for p in group])
-                for p, r in zip(group, results):
-                    p.result = r
-                rows = len(group) * max(len(p.call.ids) for p in group)
-                counters.batched_forwards += len(group) > 1
-                counters.captured_forwards += 1
-                counters.padded_rows += rows - sum(len(p.call.ids) for p in group)
-            elif len(group) == 1:
-                c = group[0].call
+            calls = [p.call for p in group]
+            captured = self._captured(calls) if not head and not group[0].alone else None
+            if captured is None and len(group) == 1:
+                c = calls[0]
                 group[0].result = c.alone() if head else c.ctx.bound.forward(c.keys, c.ids[None], c.start, c.keep,
                                                                              c.logits)
                 rows = len(c.ids)
             else:
-                results = self._runner(len(group), head).forward([p.call for p in group])
-                for p, r in zip(group, results):
+                runner = captured or self._runner(len(group), head)
+                for p, r in zip(group, runner.forward(calls)):
                     p.result = r
-                rows = len(group) * max(len(p.call.ids) for p in group)
-                counters.batched_forwards += 1
-                counters.padded_rows += rows - sum(len(p.call.ids) for p in group)
+                rows = len(group) * max(len(c.ids) for c in calls)
+                counters.batched_forwards += len(group) > 1
+                counters.captured_forwards += captured is not None
+                counters.padded_rows += rows - sum(len(c.ids) for c in calls)
             counters.forwards += 1
             counters.rows += rows
             counters.sequences += len(group)
@@ -316,14 +310,11 @@ class Scheduler:
         for p in group:
             p.done.set()
 
-    def _captured(self, group: list[_Pending]) -> CapturedBatch | None:
-        """The fixed-address runner for this group's calls, where the scheduler has graphs and they fit: target
-        calls of at most `graphs` rows, and a key the runner has, or room for one more (a lone sequence's step too:
-        its runner is the graph for one sequence)."""
-        if not self.graphs or group[0].head or any(p.alone for p in group):
-            return None
-        calls = [p.call for p in group]
-        if max(len(c.ids) for c in calls) > self.graphs:
+    def _captured(self, calls: list[Call]) -> CapturedBatch | None:
+        """The fixed-address runner for these target calls (short ones: a group never mixes in a prefill chunk),
+        where the scheduler has graphs and they fit: at most `graphs` rows, and a key the runner has, or room for one
+        more (a lone sequence's step too: its runner is the graph for one sequence)."""
+        if not self.graphs or max(len(c.ids) for c in calls) > self.graphs:
             return None
         runner = self._runner(len(calls), captured=True)
         return runner if runner.fits(calls) else None

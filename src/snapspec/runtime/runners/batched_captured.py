@@ -56,14 +56,15 @@ class _Graph:
 
 
 class CapturedBatch:
-    def __init__(self, model, n: int, session, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, model, n: int, session, max_graphs: int | None = None):
         from ..grouped_attention import view_inputs
         if view_inputs(session):  # views of the cache bound per call: a fixed-address binding cannot hold them
             raise SnapspecError("batched fixed-address forwards bind the KV cache once, and this CPU session reads it "
                                 "as per-call views (grouped attention): set SNAPSPEC_GROUPED_ATTENTION=0")
         if model.position_ids(0, 1) is None or model.position_ids(0, 1).ndim != 2:
             raise SnapspecError("batched CUDA graphs need a graph with [batch, T] position_ids")
-        self.n, self.session, self.max_graphs = n, session, max_graphs
+        self.n, self.session = n, session
+        self.max_graphs = MAX_GRAPHS if max_graphs is None else max_graphs
         self.device = model.device
         self.stream = stream_for(self.device)
         self.io = GraphIO(session, model.manifest.rollback_data)
@@ -77,6 +78,7 @@ class CapturedBatch:
         self._masks: dict[int, ort.OrtValue] = {}  # width -> [n, width] ones
         self._shared: dict = {}  # (name, dims) -> the output buffer graphs of that shape share
         self._pinned: list = []  # host scalars bindings point to
+        self._fitted: tuple = (None, None)  # (calls, key) of the last fits()
 
     def key(self, calls: list[Call]) -> tuple:
         t_max, kept = padded(calls)
@@ -86,12 +88,15 @@ class CapturedBatch:
         return tuple((id(c.ctx), c.keys) for c in calls), t_max, kept, host_logits, hidden
 
     def fits(self, calls: list[Call]) -> bool:
-        return self.key(calls) in self._graphs or len(self._graphs) < self.max_graphs
+        """Whether these calls take this path; their key is kept for the forward of the same calls that follows."""
+        self._fitted = calls, self.key(calls)
+        return self._fitted[1] in self._graphs or len(self._graphs) < self.max_graphs
 
     def forward(self, calls: list[Call]) -> list[Result]:
         n = len(calls)
         assert n == self.n, f"a runner for {self.n} sequences got {n}"
-        key = self.key(calls)
+        fitted, self._fitted = self._fitted, (None, None)
+        key = fitted[1] if fitted[0] is calls else self.key(calls)
         _, t, kept, host_logits, hidden = key
         width = calls[0].ctx.max_len
         if any(c.ctx.max_len != width or c.ctx.kv_rows != calls[0].ctx.kv_rows for c in calls):
