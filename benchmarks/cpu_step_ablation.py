@@ -10,7 +10,10 @@ threads):
   full      `Context.forward` of one token, as plain greedy decoding calls it
   no_mm     the same graph with every weight MatMul (MatMul with a constant weight, MatMulNBits) replaced by two
             trivial nodes that give its output shape (Slice of one input column + Add of a constant row): the other
-            ~260 kernels and onnxruntime's dispatch, with nothing streaming the weights between them
+            kernels and onnxruntime's dispatch, with nothing streaming the weights between them; loaded as the
+            runtime loads a CPU graph (runtime/model.py `_session`: the standard-ops rewrite, the node order).
+            Before 2026-12-05 this column and --profile loaded the exported graph as it is, with the two slow
+            contrib kernels the runtime replaces, so they overstated it and gave a negative interplay
   floor     the weight MatMuls alone (cpu_step_profile.floor_session)
   llama     llama-bench -p 0 -n STEPS (at most 128) -d DEPTH --poll 50 on the GGUF (cpu_step_profile.llama_ms)
 interplay = full - no_mm - floor: what the two parts cost together beyond their sum. With `--profile`, onnxruntime's
@@ -76,12 +79,10 @@ def without_matmuls(graph_path: Path, out: Path) -> int:
 def child(a) -> dict:
     """One measurement in this process: {"ms": wall ms per step}."""
     from snapspec.runtime import model as snap_model
-    import onnxruntime as ort
     if a.child == "full":
         step = Step(a.target, a.threads, True, a.depth)
     elif a.child == "no_mm":
-        session = ort.InferenceSession(str(a.no_mm), snap_model._options(a.threads, True),
-                                       providers=["CPUExecutionProvider"])
+        session = snap_model._session(a.no_mm, snap_model._options(a.threads, True), [snap_model.PROVIDERS["cpu"]])
         step = Step(a.target, 1, False, a.depth, session=session)  # the loaded model's own session is dropped
     else:
         s, feeds, _ = floor_session(read_manifest(a.target).graph_path("forward"), a.threads, True)
@@ -112,12 +113,11 @@ def run_child(a, mode: str, threads: int, no_mm: Path) -> float:
 def op_profile(a, graph: Path, threads: int) -> dict:
     """{op type: [nodes, sum of each node's median kernel us]} over the steps, weight MatMuls and their stand-ins
     left out."""
-    import onnxruntime as ort
     from snapspec.runtime import model as snap_model
     opts = snap_model._options(threads, True)
     opts.enable_profiling = True
     opts.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "prof")
-    session = ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
+    session = snap_model._session(graph, opts, [snap_model.PROVIDERS["cpu"]])
     step = Step(a.target, 1, False, a.depth, session=session)
     step.steps(a.steps)
     by = collections.defaultdict(lambda: collections.defaultdict(list))

@@ -270,3 +270,32 @@ def test_rollback_data_covers_the_first_window_rows(model):
     got, want = ctx.state_snapshot(), direct.state_snapshot()
     for name in want:
         assert np.array_equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2"])
+def test_greedy_cpu_forwards_read_nothing_back_through_onnxruntime(kept, monkeypatch, arch):
+    """A greedy CPU forward writes its call-shaped outputs (rollback data, hidden rows, next ids) into the runner's
+    own buffers (runners/bound.py) and never asks IOBinding.get_outputs(): ids it returned survive later forwards
+    of other shapes, and a rollback by replay after them reaches the state of decoding the kept prefix directly."""
+    import onnxruntime as ort
+
+    m = kept(arch)
+    calls, real = [], ort.IOBinding.get_outputs
+    monkeypatch.setattr(ort.IOBinding, "get_outputs", lambda self: calls.append(1) or real(self))
+    ids = [int(x) for x in np.random.default_rng(5).integers(1, m.vocab_size, 30)]
+    ctx = Policy(m).open(m, 48)
+    first = ctx.forward(ids[:10], keep=3, logits=False)
+    held = first.ids.copy()
+    for tok in ids[10:14]:
+        ctx.forward([tok], keep=1, logits=False)
+    ctx.forward(ids[14:18], keep=4, logits=False)
+    assert np.array_equal(first.ids, held)
+    assert ctx.can_rollback(2) == "replay"
+    ctx.rollback(16)
+    direct = Policy(m).open(m, 48)
+    direct.forward(ids[:16], keep=1, logits=False)
+    got, want = ctx.state_snapshot(), direct.state_snapshot()
+    for name in want:
+        assert np.array_equal(got[name], want[name]), name
+    assert not calls
+    assert ctx.forward(ids[16:18], keep=2, logits=True).logits.shape[0] == 2 and calls  # logits: read back
