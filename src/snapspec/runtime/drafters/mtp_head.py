@@ -29,7 +29,7 @@ from ..grouped_attention import view_inputs
 from ..runners.io import release
 from ..state.kv import KVCache
 
-_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
 @dataclass
@@ -71,6 +71,7 @@ class OnnxHead:
         self._ones = np.ones((1, self.max_len), dtype=np.int64)
         self._views = view_inputs(self.session)  # the KV rows as views, on CPU (grouped_attention.py)
         self._bindings: dict = {}  # with / without logits: one IOBinding each, the KV bound once
+        self._host: dict = {}  # with / without logits: (rows, {output: array}) bound on CPU
         self.batch = None  # a Scheduler that runs this head's forwards with other sequences' heads (attach_head)
         self.n_past = 0
 
@@ -114,14 +115,32 @@ class OnnxHead:
         b.bind_input("attention_mask", "cpu", 0, np.int64, [1, self.n_past + t], self._ones.ctypes.data)
         if self.keeps_rows:
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], self._keep.ctypes.data)
-        for name in order[len(self.kv.outputs):]:  # bound afresh: each run allocates them, returned arrays stay valid
-            b.bind_output(name, "cpu")
-        self.session.run_with_iobinding(b, self._options)
-        outs = dict(zip(order, b.get_outputs()))
-        release(b, order[len(self.kv.outputs):])  # the kept binding holds none of them past the run
-        return HeadRows(outs["next_tokens"].numpy()[0].copy(),
-                        outs["logits"].numpy()[0].copy() if logits else None,
-                        outs["hidden_out"].numpy()[0].copy())
+        if self.device == "cpu" and self._options is None:  # into this head's arrays, bound once per row count
+            outs = self._host_outputs(b, order[len(self.kv.outputs):], logits, 1 if self.keeps_rows else t)
+            self.session.run_with_iobinding(b, self._options)
+        else:
+            for name in order[len(self.kv.outputs):]:  # bound afresh: each run allocates them
+                b.bind_output(name, "cpu")
+            self.session.run_with_iobinding(b, self._options)
+            outs = {name: v.numpy() for name, v in zip(order, b.get_outputs())}
+            release(b, order[len(self.kv.outputs):])  # the kept binding holds none of them past the run
+        return HeadRows(outs["next_tokens"][0].copy(), outs["logits"][0].copy() if logits else None,
+                        outs["hidden_out"][0].copy())
+
+    def _host_outputs(self, b, names: list[str], logits: bool, kept: int) -> dict:
+        """{name: array} of this head's own arrays for `kept` rows, bound to `b` by address when it last ran
+        another row count (as BoundRunner's greedy CPU forwards: no IOBinding.get_outputs() per draft)."""
+        last = self._host.get(logits)
+        if last is None or last[0] != kept:
+            shapes = {o.name: o for o in self.session.get_outputs()}
+            arrays = {}
+            for name in names:
+                o = shapes[name]
+                dims = [d if isinstance(d, int) else kept if d == "kept" else 1 for d in o.shape]
+                arrays[name] = np.empty(dims, _DTYPES[o.type])
+                b.bind_output(name, "cpu", 0, arrays[name].dtype, dims, arrays[name].ctypes.data)
+            last = self._host[logits] = (kept, arrays)
+        return last[1]
 
     def _binding(self, logits: bool):
         """get_outputs() follows the order in which outputs were first bound: the KV's, then ours."""
