@@ -96,7 +96,7 @@ class Context:
     @property
     def kv_rows(self) -> int | None:
         """Rows of each KV buffer (max_len, and the spare row): contexts batched together share it."""
-        return None if self.kv is None else next(iter(self.kv.values.values())).shape()[2]
+        return None if self.kv is None else self.kv.rows
 
     @property
     def nbytes(self) -> int:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class _Pending:
     call: Call | HeadCall
     alone: bool  # runs on its context's own runner (its head's own session)
     head: bool = False  # an MTP head's forward
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event | None = None  # set when it ran; made for a sequence in a thread of its own
     result: object = None
     error: BaseException | None = None
     stepper: object = None  # the sequence's greenlet when the scheduler's thread steps it (stepping.py)
@@ -199,6 +199,7 @@ class Scheduler:
                 raise SnapspecError("the scheduler is closed")
             stepping.wait(p)
         else:
+            p.done = threading.Event()
             with self._cv:
                 if self._closed:
                     raise SnapspecError("the scheduler is closed")
@@ -308,7 +309,8 @@ class Scheduler:
             for p in group:
                 p.error = exc if isinstance(exc, SnapspecError) else SnapspecError(f"batched forward failed: {exc}")
         for p in group:
-            p.done.set()
+            if p.done is not None:
+                p.done.set()
 
     def _captured(self, calls: list[Call]) -> CapturedBatch | None:
         """The fixed-address runner for these target calls (short ones: a group never mixes in a prefill chunk),

@@ -78,7 +78,7 @@ class OnnxHead:
     @property
     def kv_rows(self) -> int:
         """Rows of each KV buffer (max_len, and the spare row): heads batched together share it."""
-        return next(iter(self.kv.values.values())).shape()[2]
+        return self.kv.rows
 
     def reset(self) -> None:
         self.n_past = 0

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+import onnxruntime as ort
 
 from ..batched_graph import ROW, SEQLENS, TOTAL, row_name
 from ..grouped_attention import view_inputs
@@ -63,6 +64,7 @@ class BatchedRunner:
         self.attention = row_name(TOTAL, 0) in {i.name for i in session.get_inputs()}
         self._views = view_inputs(session)  # each row's KV rows as views, on CPU (grouped_attention.py)
         self._bindings: OrderedDict = OrderedDict()  # key -> (binding, output names, state outputs, contexts)
+        self._host: dict = {}  # id(binding) -> its greedy CPU calls' arrays (_host_forward)
 
     def forward(self, calls: list[Call]) -> list[Result]:
         n = len(calls)
@@ -76,6 +78,8 @@ class BatchedRunner:
         hidden = any(c.ctx.hidden for c in calls) and "hidden" in self.io.outputs
 
         b, order, state = self._binding(calls, host_logits, hidden)
+        if self.device == "cpu" and not host_logits:
+            return self._host_forward(calls, b, ids, positions, mask, t_max, kept)
         b.bind_cpu_input("input_ids", ids)
         if self.model.position_ids(0, 1) is not None:
             b.bind_cpu_input("position_ids", positions)
@@ -85,9 +89,9 @@ class BatchedRunner:
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], keep.ctypes.data)
         if self.attention:
             lengths = attention_lengths(calls, t_max)
-            for r, (seqlens, total) in enumerate(lengths):
-                b.bind_cpu_input(row_name(SEQLENS, r), seqlens)
-                b.bind_cpu_input(row_name(TOTAL, r), total)
+            for r in range(n):
+                b.bind_cpu_input(row_name(SEQLENS, r), lengths[r, :1])
+                b.bind_cpu_input(row_name(TOTAL, r), lengths[r, 1:].reshape(()))
         for r, c in enumerate(calls if self._views else ()):
             for store in c.ctx.stores:
                 if hasattr(store, "bind_views"):
@@ -119,6 +123,56 @@ class BatchedRunner:
                 states[r, :t].copy() if states is not None and c.ctx.hidden else None))
         return results
 
+    def _host_forward(self, calls: list[Call], b, ids, positions, mask, t_max: int, kept: int) -> list[Result]:
+        """A greedy forward on CPU: inputs and outputs in arrays the kept binding owns, bound by address when it
+        last ran another shape (as runners/bound.py's greedy calls), so a steady batch binds only its mask. A row's
+        rollback data stays in the binding's array until that binding runs again, which it does only with the same
+        sequences at their next keys, when each has recorded a newer forward."""
+        host = self._host[id(b)]
+        if host.get("shape") != (t_max, kept):
+            n = len(calls)
+            host.clear()
+            host["shape"] = (t_max, kept)
+            host["ids"], host["positions"] = np.empty((n, t_max), np.int64), np.empty((n, t_max), np.int64)
+            b.bind_input("input_ids", "cpu", 0, np.int64, [n, t_max], host["ids"].ctypes.data)
+            if self.model.position_ids(0, 1) is not None:
+                b.bind_input("position_ids", "cpu", 0, np.int64, [n, t_max], host["positions"].ctypes.data)
+            host["keep"] = np.array(kept, dtype=np.int64)
+            if self.io.keeps_rows:
+                b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], host["keep"].ctypes.data)
+            host["lengths"] = np.zeros((n, 2), np.int32)  # each row's seqlens_k and total_sequence_length
+            for r in range(n if self.attention else 0):
+                b.bind_input(row_name(SEQLENS, r), "cpu", 0, np.int32, [1], host["lengths"][r:, 0].ctypes.data)
+                b.bind_input(row_name(TOTAL, r), "cpu", 0, np.int32, [], host["lengths"][r:, 1].ctypes.data)
+            host["outs"] = {}
+            for name in ([row_name(self.packed, r) for r in range(n)] if self.packed else []) + self.extra + \
+                    (["next_tokens"] if self.io.argmax_in_graph else []):
+                dims, dt = self.io.shape(name, t_max, kept, batch=1 if ROW in name else n)
+                host["outs"][name] = ort.OrtValue.ortvalue_from_numpy(np.empty(dims, dt))
+                b.bind_ortvalue_output(name, host["outs"][name])
+        host["ids"][...] = ids
+        host["positions"][...] = positions
+        if self.attention:
+            host["lengths"][...] = attention_lengths(calls, t_max)
+        for r, c in enumerate(calls if self._views else ()):
+            for store in c.ctx.stores:
+                if hasattr(store, "bind_views"):
+                    store.bind_views(b, c.start, self._views, suffix=row_name("", r))
+        b.bind_input("attention_mask", "cpu", 0, np.int64, list(mask.shape), mask.ctypes.data)
+        self.session.run_with_iobinding(b)
+        outs = host["outs"]
+        best = outs["next_tokens"].numpy()
+        states = outs["hidden"].numpy() if "hidden" in outs and any(c.ctx.hidden for c in calls) else None
+        results = []
+        for r, c in enumerate(calls):
+            t = len(c.ids)
+            first = t - c.keep - (t_max - kept)
+            results.append(Result(
+                ids[r], {self.packed: outs[row_name(self.packed, r)]} if self.packed else {},
+                best[r, first:first + c.keep].copy(), None,
+                states[r, :t].copy() if states is not None and c.ctx.hidden else None))
+        return results
+
     def _binding(self, calls: list[Call], host_logits: bool, hidden: bool):
         """The binding of these sequences' state at their keys, made on first use and kept (module doc), the names
         of every output in the order the run returns them, and how many of them are the state's. It holds the
@@ -137,8 +191,10 @@ class BatchedRunner:
         order += [row_name(self.packed, r) for r in range(len(calls))] if self.packed else []
         order += self.extra + (["logits"] if host_logits else []) + (["next_tokens"] if self.io.argmax_in_graph else [])
         self._bindings[key] = (b, order, state, [c.ctx for c in calls])
+        self._host[id(b)] = {}  # _host_forward's arrays for this binding
         if len(self._bindings) > CACHED:
-            self._bindings.popitem(last=False)
+            _, (old, *_) = self._bindings.popitem(last=False)
+            self._host.pop(id(old), None)
         return b, order, state
 
 
@@ -159,11 +215,14 @@ def padded_ids(calls: list[Call], t: int) -> np.ndarray:
     return ids
 
 
-def attention_lengths(calls: list[Call], t: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def attention_lengths(calls: list[Call], t: int) -> np.ndarray:
     """Each sequence's GroupQueryAttention lengths for a call of t rows, as the exported graph computes them for it
     alone (export/blocks: seqlens_k = its mask width - 1, total = the width, each + 1 for the spare row when its KV
-    buffer has a row free past the call): ([1] int32, scalar int32) per call."""
-    return [row_lengths(c.start, t, c.ctx.kv_rows) for c in calls]
+    buffer has a row free past the call): [n, 2] int32, (seqlens_k, total_sequence_length) per call (row_lengths,
+    for every row at once)."""
+    width = np.array([c.start for c in calls], dtype=np.int64) + t
+    spare = np.array([c.ctx.kv_rows or 0 for c in calls], dtype=np.int64) > width
+    return np.stack([width - 1 + spare, width + spare], axis=1).astype(np.int32)
 
 
 def row_lengths(start: int, t: int, kv_rows: int | None) -> tuple[np.ndarray, np.ndarray]:

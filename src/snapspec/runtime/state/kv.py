@@ -18,6 +18,8 @@ class KVCache(Store):
     def __init__(self, specs: list[dict], ctx_len: int, device: str, fill: float = 0.0):
         self.values = {s["name"]: allocate(shape(s, ctx_len), dtype(s), device, fill) for s in specs}
         self.outputs = {out: s["name"] for s in specs for out in [s["output"], *s.get("aliases", ())]}
+        # rows of each buffer (axis 2; the buffers are never replaced), read by every batched step's lengths
+        self.rows = next(iter(self.values.values())).shape()[2] if self.values else None
 
     def bind(self, binding, key, suffix: str = "") -> list[str]:
         for past, value in self.values.items():
