@@ -37,6 +37,7 @@ from ..batched_graph import SEQLENS, TOTAL, row_name
 from ..drafters.mtp_head import HeadRows
 from ..grouped_attention import view_inputs
 from .batched import row_lengths
+from .io import outputs_after
 
 
 LAST_ROW = "last_row"  # [B, 1] int64: each sequence's last real row, as an index into the batch's B * T rows
@@ -97,11 +98,12 @@ class BatchedHead:
             order += c.head.kv.bind(b, None, suffix=row_name("", r))
             if self._views:
                 c.head.kv.bind_views(b, c.start, self._views, suffix=row_name("", r))
+        state = len(order)  # the KV's outputs are its own buffers: only what is bound after them is read
         for name in ["next_tokens", "hidden_out"] + (["logits"] if logits else []):
             b.bind_output(name, "cpu")
             order.append(name)
         self.session.run_with_iobinding(b)
-        outs = dict(zip(order, b.get_outputs()))
+        outs = dict(zip(order[state:], outputs_after(b, state)))
 
         best, states = outs["next_tokens"].numpy(), outs["hidden_out"].numpy()
         scores = outs["logits"].numpy() if logits else None
