@@ -122,7 +122,7 @@ class OnnxHead:
             for name in order[len(self.kv.outputs):]:  # bound afresh: each run allocates them
                 b.bind_output(name, "cpu")
             self.session.run_with_iobinding(b, self._options)
-            outs = {name: v.numpy() for name, v in zip(order, b.get_outputs())}
+            outs = {name: v.numpy() for name, v in zip(order, b.get_outputs()) if name not in self.kv.outputs}
             release(b, order[len(self.kv.outputs):])  # the kept binding holds none of them past the run
         return HeadRows(outs["next_tokens"][0].copy(), outs["logits"][0].copy() if logits else None,
                         outs["hidden_out"][0].copy())

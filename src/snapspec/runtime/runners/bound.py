@@ -9,10 +9,11 @@ A greedy CPU forward (ids from the graph's argmax, no logits to the host) writes
 buffers this runner owns, bound by address and rebound only when the call's shape changes, and reads nothing back
 through onnxruntime: at pair-a's size the Python around a one-token step was 0.14 ms of ~2 ms, a fifth of it
 IOBinding.get_outputs() wrapping every bound state output. What it returns (rollback data, hidden rows) is then
-valid until this runner's next forward, as on the fixed-address path; the ids are copied. On a session that also replays CUDA graphs (a model loaded
-with `cuda_graph`), these runs pass gpu_graph_id -1, and their device outputs go to buffers this runner owns: an
-output onnxruntime allocated from the session's arena could sit where a captured graph keeps its intermediates, and a
-replay would overwrite it.
+valid until this runner's next forward, as on the fixed-address path; the ids are copied.
+
+On a session that also replays CUDA graphs (a model loaded with `cuda_graph`), these runs pass gpu_graph_id -1, and
+their device outputs go to buffers this runner owns: an output onnxruntime allocated from the session's arena could
+sit where a captured graph keeps its intermediates, and a replay would overwrite it.
 """
 
 from __future__ import annotations
