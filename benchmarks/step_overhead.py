@@ -17,21 +17,12 @@ import argparse
 import collections
 import hashlib
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-
-def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.processor()
-    info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = [f for f in info.get("Flags", "").split() if f.startswith(("avx", "amx", "fma", "f16c"))]
-    return f"{info.get('Model name', '?').strip()}; {info.get('CPU(s)', '?').strip()} CPUs; {' '.join(flags)}"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batching import cpu  # noqa: E402  (lscpu's model and flags, as the batching benchmark reports them)
 
 
 def measure(model, source: str, k: int, prompts: list[list[int]], new: int, reps: int) -> dict:
