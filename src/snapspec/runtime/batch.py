@@ -61,9 +61,10 @@ class Event:
 class Sequence:
     """A submitted prompt: iterate it for its events; cancel() ends it at the next step boundary."""
 
-    def __init__(self, index: int):
+    def __init__(self, index: int, events: queue.Queue | None = None):
         self.index = index
-        self.events: queue.Queue = queue.Queue()
+        # its events; Batch.run hands every sequence one queue, which it reads itself (one consumer, no thread each)
+        self.events: queue.Queue = events if events is not None else queue.Queue()
         self.generator: Generator | None = None
         self.cancelled = threading.Event()
         self.finished = threading.Event()
@@ -149,9 +150,10 @@ class Batch:
         return self.pairs[0].max_len
 
     def submit(self, prompt, *, raw: bool = False, chat: bool = False, template_kwargs=None, index: int | None = None,
-               **generation) -> Sequence:
+               events: queue.Queue | None = None, **generation) -> Sequence:
         """Start a prompt (text, token ids, or messages; raw/chat/template_kwargs as generation.prompt_of) with
-        Generator's keywords (max_new_tokens, sampling, draft_max, stop_strings, ...); returns its Sequence."""
+        Generator's keywords (max_new_tokens, sampling, draft_max, stop_strings, ...); returns its Sequence.
+        events: a queue its events go to (shared with other sequences: read the queue then, not the Sequence)."""
         for key in ("drafter", "pair", "target_ctx", "drafter_ctx", "context", "window"):
             if key in generation:
                 raise SnapspecError(f"{key} is the Batch's (set it when making the Batch)")
@@ -163,7 +165,7 @@ class Batch:
             prompt_of(self.target, prompt, raw=raw, chat=chat, template_kwargs=template_kwargs)
         if generation.get("draft_max") == "auto" and "costs" not in generation:
             self.calibrate()
-        seq = Sequence(index)
+        seq = Sequence(index, events)
         if self.stepping == "one":
             with self._lock:
                 self._waiting.append((seq, prompt, generation))
@@ -201,17 +203,14 @@ class Batch:
 
     def run(self, prompts, **generation) -> Iterator[Event]:
         """Every prompt's events as they come (prompt i's carry index i); at most `parallel` run at once."""
-        merged: queue.Queue = queue.Queue()
-        seqs = [self.submit(p, index=i, **generation) for i, p in enumerate(prompts)]
-        pumps = [threading.Thread(target=_pump, args=(s, merged), daemon=True) for s in seqs]
-        for t in pumps:
-            t.start()
-        for _ in seqs:
-            while True:
-                event = merged.get()
-                yield event
-                if event.done:
-                    break
+        merged: queue.Queue = queue.Queue()  # every sequence's events, read here (a thread each woke per token)
+        left = len([self.submit(p, index=i, events=merged, **generation) for i, p in enumerate(prompts)])
+        while left:
+            event = merged.get()
+            if event is _DONE:  # a sequence's end marker, after its done event
+                continue
+            yield event
+            left -= event.done
 
     def generate(self, prompts, **generation) -> list[str]:
         """The final texts, in prompt order."""
@@ -277,7 +276,3 @@ def _end(seq: Sequence, last: Event) -> None:
     seq.events.put(_DONE)
     seq.finished.set()
 
-
-def _pump(seq: Sequence, out: queue.Queue) -> None:
-    for event in seq:
-        out.put(event)
