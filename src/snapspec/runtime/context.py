@@ -171,7 +171,7 @@ class Context:
         as the bound runner's; one it padded comes back with the padded ids, whose extra rows are rolled back here:
         to this sequence they are a rejected draft."""
         keys, t = self.keys(), len(ids)
-        r = self.batch.forward(self, ids, keep, logits)
+        r = self.batch.forward(self, ids, keep, logits, keys)
         if isinstance(r, tuple):  # ran alone on the bound runner
             outs, best, rows = r
             self.advance(keys, ids[None], outs)

@@ -182,9 +182,11 @@ class Scheduler:
         self._thread.join()
 
     # -- a sequence's forward (its thread) ------------------------------------------------------------------------
-    def forward(self, ctx, ids: np.ndarray, keep: int, logits: bool) -> Result:
-        """Run ctx's forward of ids from its position with the others pending; blocks until it ran."""
-        call = Call(ctx, ctx.keys(), np.asarray(ids, dtype=np.int64), ctx.n_past, keep, logits)
+    def forward(self, ctx, ids: np.ndarray, keep: int, logits: bool, keys: tuple | None = None) -> Result:
+        """Run ctx's forward of ids from its position with the others pending; blocks until it ran. keys: ctx's
+        store keys now, where the caller has them."""
+        call = Call(ctx, ctx.keys() if keys is None else keys, np.asarray(ids, dtype=np.int64), ctx.n_past, keep,
+                    logits)
         return self._submit(_Pending(call, alone=len(call.ids) > self._short(ctx)))
 
     def forward_head(self, head, ids: np.ndarray, hidden: np.ndarray, logits: bool):

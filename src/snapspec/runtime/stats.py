@@ -36,14 +36,10 @@ class Stats:
     seconds: Counter = field(default_factory=Counter)  # prefill, decode, draft, verify, rollback, sampling
     _inner: list = field(default_factory=list, repr=False, compare=False)  # open `timed` blocks: nested seconds
 
-    @contextmanager
-    def span(self, what: str):
-        """A whole phase, inclusive of everything inside it."""
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[what] += time.perf_counter() - t
+    def span(self, what: str) -> _Span:
+        """A whole phase, inclusive of everything inside it (a context manager; a class, not a generator: it
+        wraps every decode step)."""
+        return _Span(self.seconds, what)
 
     @contextmanager
     def timed(self, what: str):
@@ -92,3 +88,16 @@ class Stats:
         d.update(acceptance=self.acceptance, mean_accepted=self.mean_accepted, mean_emitted=self.mean_emitted,
                  decode_tokens_per_s=self.decode_tokens_per_s)
         return d
+
+
+class _Span:
+    __slots__ = ("seconds", "what", "start")
+
+    def __init__(self, seconds: Counter, what: str):
+        self.seconds, self.what = seconds, what
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.seconds[self.what] += time.perf_counter() - self.start
