@@ -253,6 +253,24 @@ def test_one_thread_steps_every_sequence(loaded):
             s.result()
 
 
+def test_run_reads_one_queue_and_starts_no_thread(loaded, monkeypatch):
+    """Batch.run gathers every sequence's events from one queue: with stepping="one" no thread starts (it used to
+    start one per sequence to pump its events, each woken per token), each prompt's events carry its index and end
+    with one done event, and its tokens equal the prompt's alone."""
+    t = loaded("qwen3_5")
+    ps = prompts(t.vocab_size, 4, seed=12)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False)
+    with Batch(t, parallel=2, context=CONTEXT, stepping="one") as b:
+        started, real = [], threading.Thread.start
+        monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or real(self))
+        events = list(b.run(ps, **kw))
+    assert not started, started
+    for i, p in enumerate(ps):
+        mine = [e for e in events if e.index == i]
+        assert [e.done for e in mine].count(True) == 1 and mine[-1].done
+        assert [tok for e in mine for tok in e.tokens] == alone(t, p, **kw), f"prompt {i} differs from its run alone"
+
+
 def test_refusals(loaded, tiny_export):
     """A Drafter object serves the first slot and spawns one per other slot (a Drafter that cannot spawn is a
     one-line error); parallel < 1 is one too; a context of another model cannot join a scheduler."""
