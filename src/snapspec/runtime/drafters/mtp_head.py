@@ -26,10 +26,8 @@ from snapspec import SnapspecError
 
 from ..cuda_graph import SKIP
 from ..grouped_attention import view_inputs
-from ..runners.io import release
+from ..runners.io import DTYPES, GraphIO, release
 from ..state.kv import KVCache
-
-_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
 @dataclass
@@ -64,9 +62,10 @@ class OnnxHead:
         spare = bool(head.graph.get("spare_kv_row"))  # the graph's attention writes a row past the sequence
         self.kv = KVCache(head.state, self.max_len + spare, self.device)
         inputs = {i.name: i for i in self.session.get_inputs() + self.session.get_overridable_initializers()}
-        self.hidden_dtype = _DTYPES[inputs["hidden"].type]
+        self.hidden_dtype = DTYPES[inputs["hidden"].type]
         self.hidden_size = int(head.info.get("hidden_size") or inputs["hidden"].shape[-1])
         self.keeps_rows = "logits_to_keep" in inputs  # only the last row is read: logits, ids and hidden_out
+        self.io = GraphIO(self.session)  # its outputs' shapes, for the arrays its CPU runs write (_host_outputs)
         self._keep = np.ones((), dtype=np.int64)  # bound by pointer, as Context binds it
         self._ones = np.ones((1, self.max_len), dtype=np.int64)
         self._views = view_inputs(self.session)  # the KV rows as views, on CPU (grouped_attention.py)
@@ -116,7 +115,7 @@ class OnnxHead:
         if self.keeps_rows:
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], self._keep.ctypes.data)
         if self.device == "cpu" and self._options is None:  # into this head's arrays, bound once per row count
-            outs = self._host_outputs(b, order[len(self.kv.outputs):], logits, 1 if self.keeps_rows else t)
+            outs = self._host_outputs(b, order[len(self.kv.outputs):], logits, t)
             self.session.run_with_iobinding(b, self._options)
         else:
             for name in order[len(self.kv.outputs):]:  # bound afresh: each run allocates them
@@ -127,18 +126,18 @@ class OnnxHead:
         return HeadRows(outs["next_tokens"][0].copy(), outs["logits"][0].copy() if logits else None,
                         outs["hidden_out"][0].copy())
 
-    def _host_outputs(self, b, names: list[str], logits: bool, kept: int) -> dict:
-        """{name: array} of this head's own arrays for `kept` rows, bound to `b` by address when it last ran
-        another row count (as BoundRunner's greedy CPU forwards: no IOBinding.get_outputs() per draft)."""
+    def _host_outputs(self, b, names: list[str], logits: bool, t: int) -> dict:
+        """{name: array} of this head's own arrays for a call of t rows (its last kept, where the graph keeps rows),
+        bound to `b` by address when it last ran another row count (as BoundRunner's greedy CPU forwards: no
+        IOBinding.get_outputs() per draft)."""
+        kept = 1 if self.keeps_rows else t
         last = self._host.get(logits)
         if last is None or last[0] != kept:
-            shapes = {o.name: o for o in self.session.get_outputs()}
             arrays = {}
             for name in names:
-                o = shapes[name]
-                dims = [d if isinstance(d, int) else kept if d == "kept" else 1 for d in o.shape]
-                arrays[name] = np.empty(dims, _DTYPES[o.type])
-                b.bind_output(name, "cpu", 0, arrays[name].dtype, dims, arrays[name].ctypes.data)
+                dims, dt = self.io.shape(name, t, 1)
+                arrays[name] = np.empty(dims, dt)
+                b.bind_output(name, "cpu", 0, dt, dims, arrays[name].ctypes.data)
             last = self._host[logits] = (kept, arrays)
         return last[1]
 

@@ -111,7 +111,11 @@ class BatchedRunner:
 
         logits = outs["logits"].numpy() if host_logits else None
         best = outs["next_tokens"].numpy() if self.io.argmax_in_graph else logits.argmax(axis=-1)
-        states = outs["hidden"].numpy() if hidden else None
+        return self._results(calls, ids, outs, best, logits, outs["hidden"].numpy() if hidden else None, t_max, kept)
+
+    def _results(self, calls, ids, outs, best, logits, states, t_max: int, kept: int) -> list[Result]:
+        """Each sequence's share of a forward's outputs: its ids, rollback data, kept rows' ids (and logits) and
+        hidden rows."""
         results = []
         for r, c in enumerate(calls):
             t = len(c.ids)
@@ -161,17 +165,9 @@ class BatchedRunner:
         b.bind_input("attention_mask", "cpu", 0, np.int64, list(mask.shape), mask.ctypes.data)
         self.session.run_with_iobinding(b)
         outs = host["outs"]
-        best = outs["next_tokens"].numpy()
-        states = outs["hidden"].numpy() if "hidden" in outs and any(c.ctx.hidden for c in calls) else None
-        results = []
-        for r, c in enumerate(calls):
-            t = len(c.ids)
-            first = t - c.keep - (t_max - kept)
-            results.append(Result(
-                ids[r], {self.packed: outs[row_name(self.packed, r)]} if self.packed else {},
-                best[r, first:first + c.keep].copy(), None,
-                states[r, :t].copy() if states is not None and c.ctx.hidden else None))
-        return results
+        hidden = "hidden" in outs and any(c.ctx.hidden for c in calls)
+        return self._results(calls, ids, outs, outs["next_tokens"].numpy(), None,
+                             outs["hidden"].numpy() if hidden else None, t_max, kept)
 
     def _binding(self, calls: list[Call], host_logits: bool, hidden: bool):
         """The binding of these sequences' state at their keys, made on first use and kept (module doc), the names

@@ -44,7 +44,7 @@ class BoundRunner:
         self._views = view_inputs(self.session)  # the KV rows a CPU graph reads as views (grouped_attention.py)
         self._host = self.device == "cpu" and self._run_options is None  # greedy calls: outputs in our buffers
         self._host_bufs: dict = {}  # name -> flat NumPy buffer, grown on demand
-        self._host_bound: dict = {}  # binding key -> ((t, keep), {name: OrtValue view bound})
+        self._host_bound: dict = {}  # store keys (the greedy binding's) -> ((t, keep), {name: OrtValue view bound})
 
     def forward(self, keys: tuple, ids: np.ndarray, start: int, keep: int, logits: bool):
         """Run ids [1, T] from position `start` with the state at `keys`; return (outputs, the kept rows' ids,
@@ -62,7 +62,7 @@ class BoundRunner:
             b.bind_cpu_input("position_ids", positions)
         b.bind_input("attention_mask", "cpu", 0, np.int64, [1, start + t], self._ones.ctypes.data)
         if self._host and not host_logits:
-            return self._host_forward(b, (keys, host_logits), t, keep)
+            return self._host_forward(b, keys, t, keep)
         if self.io.keeps_rows:
             self._keep[()] = keep
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], self._keep.ctypes.data)

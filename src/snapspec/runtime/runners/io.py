@@ -8,7 +8,7 @@ import onnxruntime as ort
 
 from ..state import allocate
 
-_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
+DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
 class GraphIO:
@@ -27,7 +27,7 @@ class GraphIO:
         sizes = {"batch": batch, "sequence": t, "kept": keep if self.keeps_rows else t,
                  "rollback_rows": min(t, int(self._packed.get("rows") or t))}
         dims = [d if isinstance(d, int) else sizes[d] for d in o.shape]
-        return dims, _DTYPES[o.type]
+        return dims, DTYPES[o.type]
 
     def bind_fixed(self, b, bound: list[str], t: int, keep: int, device: str, pinned: list) -> dict:
         """A fixed-address forward's binding beyond what the caller bound (`bound`: the state's outputs): the kept
