@@ -229,3 +229,48 @@ def load_graph(path: Path, opts: ort.SessionOptions, threads: int | None, who: s
                 "; re-export with --block-size 16 for int8 speed" if worst.block_size > 16 else ""))
     log.warning(note)
     return at_level(model, FALLBACK_LEVEL).SerializeToString(), note
+
+
+EXPERT_OPS = ("MoE", "QMoE")
+
+
+def unpaired_experts(path: Path) -> int:
+    """How many expert nodes (MoE, QMoE) of the graph at `path` read their rows unpaired: exported before the
+    export appended each forward's first rows again before the op (export/blocks/mlp.py `_paired_rows`). On CPU
+    such a node gives a one-token step other bits than a verify forward (MLAS's one-row GEMM sums in another
+    order), so speculation, batching and the prefix cache are not held to plain decoding bit for bit. A byte
+    search first: graphs without experts are not parsed (onnx's import costs a second)."""
+    try:
+        if path.stat().st_size > 1 << 30:
+            return 0
+        data = path.read_bytes()
+    except OSError:
+        return 0
+    if b"MoE" not in data:
+        return 0
+    import onnx
+    try:
+        model = onnx.load_from_string(data)
+    except Exception:  # a corrupt graph: onnxruntime's load says what is wrong with it
+        return 0
+    made = {o: n for n in model.graph.node for o in n.output}
+
+    def paired(x: str) -> bool:  # x = Concat(t, Slice(t, ...)) on the row axis
+        join = made.get(x)
+        if join is None or join.op_type != "Concat" or len(join.input) != 2:
+            return False
+        head = made.get(join.input[1])
+        return head is not None and head.op_type == "Slice" and head.input[0] == join.input[0]
+
+    return sum(1 for n in model.graph.node if n.op_type in EXPERT_OPS and not paired(n.input[0]))
+
+
+def experts_note(path: Path, who: str = "") -> str:
+    """The one line load() logs for a graph with unpaired expert nodes (unpaired_experts), else ''."""
+    if not unpaired_experts(path):
+        return ""
+    note = (f"{who}exported before snapspec paired the experts' rows: on CPU its one-token steps and verify forwards "
+            "differ in the last bits, so greedy speculation, batching and the prefix cache may leave plain decoding "
+            "at a near-tie; export it again with this version")
+    log.warning(note)
+    return note

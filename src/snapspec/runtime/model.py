@@ -124,9 +124,12 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
         shared = shared_values(m, used_ep)
         for name, value in shared.items():
             opts.add_initializer(name, value)
-    source, note = m.graph_path(graph), ""
+    source, notes = m.graph_path(graph), []
+    if used_ep == "cpu" and not genai_folder.is_builder(m):
+        notes.append(exactness.experts_note(source, who=f"{m.folder.name}: "))
     if used_ep == "cpu" and m.data["export"].get("quant") == "int4":
         source, note = exactness.load_graph(source, opts, threads, who=f"{m.folder.name}: ")
+        notes.append(note)
     session = _session(source, opts, providers, name=m.graph_path(graph))
     if used_ep != "cpu" and PROVIDERS[used_ep] not in session.get_providers():
         # onnxruntime drops a provider whose libraries or driver fail to load and runs on CPU without a word.
@@ -153,8 +156,7 @@ def load(folder, ep: str = "cpu", *, allow_fallback: bool = False, threads: int 
                   state_window=m.rollback.get("state_window") if graph == "forward_window" else None,
                   graph_tokens=cuda_graph, graphs=GraphSession(session) if cuda_graph else None, role=role,
                   shared_values=shared, spin=spin)
-    if note:
-        model.notes.append(note)
+    model.notes += [n for n in notes if n]
     if used_ep != ep:
         model.notes.append(f"requested {ep}, running on {used_ep} (--allow-fallback)")
     if genai_folder.is_builder(m):
