@@ -21,15 +21,19 @@ def target(chat_export):
 
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-def test_concurrent_replies_equal_replies_alone(target, drafter, tmp_path):
+@pytest.mark.parametrize("drafter,stepping", [("none", "auto"), ("ngram", "auto"), ("ngram", "threads")])
+def test_concurrent_replies_equal_replies_alone(target, drafter, stepping, tmp_path):
+    """6 requests on 3 slots (3 wait in the queue for a slot), their Python stepped in the scheduler's thread (auto
+    without a drafter model) or in a thread each."""
     from snapspec.runtime import generate, load
 
     model = load(target, threads=1)
     flags = FLAGS + (("--drafter", "ngram", "--draft-max", "3") if drafter == "ngram" else ())
     conversations = [[{"role": "user", "content": f"question {i}: " + "abc " * (i + 1)}] for i in range(6)]
-    with serving(tmp_path / "server.log", target, *flags, "--parallel", "3") as server:
-        assert "up to 3 requests decoded together" in server["log"].read_text()
+    with serving(tmp_path / "server.log", target, *flags, "--parallel", "3", "--stepping", stepping) as server:
+        log = server["log"].read_text()
+        assert "up to 3 requests decoded together" in log
+        assert ("in a thread each" if stepping == "threads" else "stepped in the scheduler's thread") in log
         status, _, body = request(server["port"], "GET", "/health")
         assert status == 200 and b'"parallel": 3' in body.replace(b'"parallel":3', b'"parallel": 3')
         client, replies = openai_client(server), {}

@@ -4,7 +4,8 @@ n-gram drafting: `--drafter ngram`).
 POST /v1/chat/completions and /v1/completions, each streamed as server-sent events with "stream": true; GET
 /v1/models and /health. Request checking and response shapes live in openai_api.py.
 
-Requests are served first come first served by the model's Worker: `--parallel N` slots (N threads fed by a queue),
+Requests are served first come first served by the model's Worker: `--parallel N` slots fed by a queue (each
+request's Python a greenlet of the scheduler's thread, or with `--stepping threads` a thread each),
 each slot a PromptCache of its own (the target's context and the slot's draft source). With N > 1 the slots' target
 contexts hand their forwards to one scheduler (runtime/scheduler.py), which runs the slots' decode steps and
 verifies in one forward; each request's tokens are the ones it gets served alone. A request takes the free slot
@@ -54,6 +55,10 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--parallel", type=_parallel, default="auto", metavar="N",
                    help="requests decoded together, each on a slot (a context) of its own, their steps in one forward "
                         f"(default auto: {PARALLEL_AUTO} where the model can batch, else 1; 1 serves one at a time)")
+    p.add_argument("--stepping", choices=["auto", "one", "threads"], default="auto",
+                   help="with --parallel > 1, who runs each request's Python between forwards: one, the scheduler's "
+                        "thread (each request a greenlet there: no thread wakes per step); threads, a thread each; "
+                        "auto (default): one, unless the drafter is a model (its forwards overlap in threads)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip the start-up run of the largest forwards (each onnxruntime session's memory then grows "
                         "to its peak over the first requests instead of at start; served output is the same)")
@@ -243,7 +248,7 @@ def run(args) -> int:
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
                     raw=args.no_chat_template, defaults=defaults, max_tokens_cap=args.max_tokens_cap,
                     max_queue=args.max_queue, cache_ram=args.cache_ram, parallel=args.parallel,
-                    warm=not args.no_warm_up)
+                    warm=not args.no_warm_up, stepping=args.stepping)
     key = lifecycle.api_key(args)
     sock = lifecycle.listen(args.host, args.port)
     host, port = sock.getsockname()[:2]

@@ -6,9 +6,11 @@ the slots' target contexts hand their forwards to one scheduler (runtime/schedul
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 from snapspec import SnapspecError
@@ -54,10 +56,12 @@ class Worker(lifecycle.Admission):
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
                  max_tokens_cap: int | None = None, max_queue: int | None = None, cache_ram: int = 0,
-                 parallel: int | str = 1, warm: bool = True):
+                 parallel: int | str = 1, warm: bool = True, stepping: str = "auto"):
         """parallel: slots (requests decoded together), or "auto" (PARALLEL_AUTO where the model batches, else
         1: `parallel_note` says why). warm: run the largest forwards once before the first request, then empty the
-        contexts (runtime/warm.py: memory reaches its peak at start; served output is unchanged)."""
+        contexts (runtime/warm.py: memory reaches its peak at start; served output is unchanged). stepping: who runs
+        a job's Python with N > 1, as Batch(stepping=...) (runtime/stepping.py): "one", the scheduler's thread
+        (each job a greenlet there); "threads", a thread each; "auto", one unless a slot drafts with a model."""
         from snapspec.runtime.adaptive import SharedForwards
         from snapspec.runtime.chat import PromptCache
         from snapspec.runtime.prefix_cache import PrefixCache
@@ -94,6 +98,15 @@ class Worker(lifecycle.Admission):
             for slot in self.slots:
                 slot.reset()
         self._free = list(self.slots)
+        if stepping not in ("auto", "one", "threads"):
+            raise SnapspecError(f"stepping must be auto, one or threads, not {stepping!r}")
+        if stepping == "auto":  # a drafter model's forwards overlap others' work only in threads of their own
+            stepping = "threads" if any(s.drafter is not None and s.drafter.extras.context is not None
+                                        for s in self.slots) else "one"
+        self.stepping = stepping if self.scheduler is not None else "threads"
+        self._stepped: deque = deque()  # (job, future) admitted for the scheduler's thread, not started yet
+        if self.stepping == "one":
+            self.scheduler.steps.add_source(self._next_stepped)
         drafter = self.cache.drafter  # each slot has its own draft source of this kind
         self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
         self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
@@ -154,7 +167,7 @@ class Worker(lifecycle.Admission):
                 "stop_at_eos": d["stop_at_eos"] and not s.ignore_eos}
 
     def _run(self, job: Job) -> None:
-        """In the worker thread."""
+        """In a thread of the executor, or as a greenlet of the scheduler's thread (stepping "one")."""
         from snapspec.runtime import final_text, stream_text
 
         with self._lock:
@@ -211,9 +224,41 @@ class Worker(lifecycle.Admission):
                 self._free.append(slot)
             job.emit(_DONE)
 
+    def _start(self, job) -> asyncio.Future:
+        """A stepped worker's job waits here until the scheduler's thread starts it on a free slot (_next_stepped);
+        its future is settled on the event loop when it ends."""
+        if self.stepping != "one":
+            return super()._start(job)
+        future = job.loop.create_future()
+        with self._lock:
+            self._stepped.append((job, future))
+        self.scheduler.poke()
+        return future
+
+    def _next_stepped(self):
+        """The scheduler's thread asks at each step boundary: a waiting job to start now, where a slot is free."""
+        with self._lock:
+            if not (self._stepped and self._free):
+                return None
+            job, future = self._stepped.popleft()
+        return functools.partial(self._run_stepped, job, future)
+
+    def _run_stepped(self, job: Job, future: asyncio.Future) -> None:
+        """A job as a greenlet of the scheduler's thread: _run, then its outcome handed to the event loop."""
+        error = None
+        try:
+            self._run(job)
+        except BaseException as exc:  # the client hears of it; the scheduler's thread goes on
+            error = exc
+        try:
+            job.loop.call_soon_threadsafe(_settle, future, error)
+        except RuntimeError:  # the event loop has closed: nobody waits for it
+            pass
+
     def _take_slot(self, ids):
         """The free slot whose target context holds the longest prefix of ids (a conversation's next turn goes back
-        to its slot); there is one for every running job (one thread per slot). Under the lock."""
+        to its slot); there is one for every running job (a thread per slot, or a job started only onto a free one:
+        _next_stepped). Under the lock."""
         from snapspec.runtime.prompt import common_prefix
 
         slot = max(self._free, key=lambda c: common_prefix(c.tctx.tokens, ids))
@@ -239,11 +284,22 @@ class Worker(lifecycle.Admission):
                 "queue": counts}
 
 
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    """On the event loop: a stepped job's outcome."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error if isinstance(error, Exception) else SnapspecError(f"the job stopped: {error!r}"))
+
+
 def _scheduling(worker: Worker) -> str:
     if worker.parallel == 1:
         return SCHEDULING
     return (f"up to {worker.parallel} requests decoded together (--parallel), each on a slot of its own, first come "
-            "first served from a queue")
+            "first served from a queue, their Python "
+            + ("stepped in the scheduler's thread" if worker.stepping == "one" else "in a thread each"))
 
 
 def _log(message: str) -> None:

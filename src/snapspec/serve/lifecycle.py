@@ -124,9 +124,14 @@ class Admission:
                 raise queue_full(self.max_queue)
             self.counts["waiting"] += 1
             self.jobs.add(job)
-        future = job.loop.run_in_executor(self.executor, self._run, job)
+        future = self._start(job)
         future.add_done_callback(lambda f: self._finished(job, f))
         return future
+
+    def _start(self, job) -> asyncio.Future:
+        """Run the admitted job: in a thread of the executor (a worker that steps its jobs in the scheduler's
+        thread overrides this)."""
+        return job.loop.run_in_executor(self.executor, self._run, job)
 
     def _finished(self, job, future: asyncio.Future) -> None:
         """On the event loop, once the job has left the worker."""
