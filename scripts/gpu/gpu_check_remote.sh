@@ -23,6 +23,12 @@
 #                                                     NGRAM=1: also n-gram drafts, verifies replayed (graphs 5);
 #                                                     GDIAG=1 first: scripts/gpu/graphs_diag.py (tiny models, every
 #                                                     architecture or GDIAG_ARCHS; DIAG_ONLY=1 stops after it)
+#   scripts/gpu/gpu_check_remote.sh hostcmp C2 OUT   the batched decode with CUDA graphs (1 and 16 sequences,
+#                                                     stepping one) of this tree against C2's old.tar.xz (an older
+#                                                     tree's src/ and benchmarks: `git archive`), alternating twice;
+#                                                     then `snapspec serve --parallel 16 --cuda-graph 1` with
+#                                                     --stepping one and threads (benchmarks/serve_parallel.py, 16
+#                                                     clients; C2's wheels must hold the serve and openai packages)
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -40,7 +46,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|batch|profile|stepping|graphs)
+run|batch|profile|stepping|graphs|hostcmp)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -92,6 +98,31 @@ PY
     if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
+    if [ $cmd = hostcmp ]; then  # the host's part of a batched step: this tree against C2's old.tar.xz, then serve
+      old=$G/old && rm -rf $old && mkdir -p $old $out/j && xz -dc $c2/old.tar.xz | tar x -C $old || exit 1
+      for rep in 1 2; do
+        for tree in new old; do
+          src=$G/src; [ $tree = old ] && src=$old
+          PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 150 python3 $src/benchmarks/batch_step_profile.py --ep cuda \
+            --target /tmp/gc/x-$shape --parallel 1,16 --new 64 --prompts $c2/prompts.jsonl --stepping one --graphs 1 \
+            2>&1 | grep '^{' | sed "s/^/$tree /" | tee -a $out/hostcmp-step-$shape.txt
+          PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 200 python3 $src/benchmarks/batching.py --ep cuda \
+            --target /tmp/gc/x-$shape --parallel 16 --limit 16 --new ${NEW:-256} --prompts $c2/prompts.jsonl \
+            --stepping one --graphs 1 --reps 2 --json $out/j/batch-$shape-$tree-$rep.json 2>&1 | grep '^rep' |
+            sed "s/^/$tree /" | tee -a $out/hostcmp-batch-$shape.txt
+        done
+      done
+      for rep in 1 2; do
+        for st in one threads; do
+          timeout 240 python3 benchmarks/serve_parallel.py concurrent --target /tmp/gc/x-$shape --parallel 16 \
+            --clients 16 --requests 2 --max-tokens 128 --no-bracket --prompts $c2/prompts.jsonl \
+            --server-args="--ep cuda --cuda-graph 1 --rollback replay --stepping $st --cache-ram 0" \
+            --out $out/j/serve-$shape-$st-$rep.json 2>&1 | tail -3 | sed "s/^/$st /" | tee -a $out/serve-$shape.txt
+        done
+      done
+      tar czf $out/json-$shape.tgz -C $out/j . && rm -rf $out/j
+      continue
+    fi
     if [ $cmd = graphs ]; then
       for gr in ${GRAPHS_LIST:-1 0}; do
         python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 1,16 --new 64 \
