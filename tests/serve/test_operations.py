@@ -203,6 +203,29 @@ def test_a_drain_timeout_stops_the_running_generation_cleanly(pair, tmp_path):
     assert "(server shutting down)" in srv["log"].read_text()
 
 
+def test_a_drain_timeout_stops_stepped_requests_cleanly(pair, tmp_path):
+    """The same with two slots stepped in the scheduler's thread (--parallel 2 --stepping one, n-gram drafts): both
+    running streams end at their next step with stop_reason "shutdown" and [DONE], the third, waiting for a slot,
+    gets a 503 error event, and the process exits by the signal."""
+    target, _ = pair
+    with serving(tmp_path / "stop.log", target, "--drafter", "ngram", *FLAGS, "--drain-timeout", "0.1",
+                 "--parallel", "2", "--stepping", "one") as srv:
+        assert "stepped in the scheduler's thread" in srv["log"].read_text()
+        streams = [_long_stream(srv, None, f"stream {i}") for i in range(3)]
+        srv["proc"].send_signal(signal.SIGTERM)
+        raws = [resp.read() for _, resp in streams]
+        assert srv["proc"].wait(30) == -signal.SIGTERM
+    ends = [sse_events(raw) for raw in raws]
+    stopped = [e for e in ends if e[-1] == "[DONE]"]
+    refused = [e for e in ends if e[-1] != "[DONE]"]
+    assert len(stopped) == 2 and len(refused) == 1, [raw[-200:] for raw in raws]
+    for events in stopped:
+        assert events[-2]["choices"][0]["finish_reason"] == "stop" and events[-2]["snapspec"]["stop_reason"] == \
+            "shutdown" and len(events) - 3 < LONG
+    assert refused[0][-1]["error"]["code"] == "server_shutting_down"
+    assert "Traceback" not in srv["log"].read_text()
+
+
 def test_a_public_address_without_a_key_prints_one_warning(pair, tmp_path):
     """Bound to every interface (0.0.0.0) without --api-key: one warning line. Nothing is sent to the server."""
     log = tmp_path / "public.log"

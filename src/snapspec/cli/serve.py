@@ -276,6 +276,7 @@ def run(args) -> int:
     finally:
         for job in list(worker.running):  # shutting down: running generations stop at their next step
             job.cancelled = True
+        worker.drop_waiting()
         worker.executor.shutdown(wait=True, cancel_futures=True)
         if worker.scheduler is not None:
             worker.scheduler.close()

@@ -243,6 +243,18 @@ class Worker(lifecycle.Admission):
             job, future = self._stepped.popleft()
         return functools.partial(self._run_stepped, job, future)
 
+    def drop_waiting(self) -> None:
+        """The server is stopping: stepped jobs that never started end with a 503 instead of starting while the
+        scheduler winds down (an executor's shutdown cancels its waiting futures alike)."""
+        with self._lock:
+            waiting, self._stepped = list(self._stepped), deque()
+        for job, future in waiting:
+            job.cancelled = job.shutdown = True
+            try:
+                job.loop.call_soon_threadsafe(_settle, future, lifecycle.shutting_down())
+            except RuntimeError:  # the event loop has closed
+                pass
+
     def _run_stepped(self, job: Job, future: asyncio.Future) -> None:
         """A job as a greenlet of the scheduler's thread: _run, then its outcome handed to the event loop."""
         error = None
