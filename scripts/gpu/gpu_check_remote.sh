@@ -100,7 +100,7 @@ PY
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
     if [ $cmd = hostcmp ]; then  # the host's part of a batched step: this tree against C2's old.tar.xz, then serve
       old=$G/old && rm -rf $old && mkdir -p $old $out/j && xz -dc $c2/old.tar.xz | tar x -C $old || exit 1
-      for rep in 1 2; do
+      for rep in $(seq ${HOSTCMP_REPS:-2}); do
         for tree in new old; do
           src=$G/src; [ $tree = old ] && src=$old
           PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 150 python3 $src/benchmarks/batch_step_profile.py --ep cuda \
@@ -112,10 +112,10 @@ PY
             sed "s/^/$tree /" | tee -a $out/hostcmp-batch-$shape.txt
         done
       done
-      for rep in 1 2; do
+      for rep in $(seq ${HOSTCMP_REPS:-2}); do
         for st in one threads; do
           timeout 240 python3 benchmarks/serve_parallel.py concurrent --target /tmp/gc/x-$shape --parallel 16 \
-            --clients 16 --requests 2 --max-tokens 128 --no-bracket --prompts $c2/prompts.jsonl \
+            --clients 16 --requests 2 --max-tokens ${SERVE_TOKENS:-128} --no-bracket --prompts $c2/prompts.jsonl \
             --server-args="--ep cuda --cuda-graph 1 --rollback replay --stepping $st --cache-ram 0" \
             --out $out/j/serve-$shape-$st-$rep.json 2>&1 | tail -3 | sed "s/^/$st /" | tee -a $out/serve-$shape.txt
         done
