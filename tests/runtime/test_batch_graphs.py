@@ -149,3 +149,33 @@ def test_warm_up_runs_the_sessions_that_will_run(loaded):
             assert not any(("forward", n, not captured) in s._runners for n in (2, 3))
         finally:
             s.close()
+
+
+def test_sequences_at_different_slots_meet_in_two_graphs(loaded):
+    """Five prompts of different lengths on three slots, each ending after its own number of tokens: a prompt that
+    starts when another ends has run another number of forwards than the two it meets, so its replay store stands at
+    the other slot. The minority moves its state to the other slot (scheduler._aligned), so the runner for three
+    sequences keeps two graphs (it made six without), and every token equals its run alone."""
+    import queue
+
+    t = loaded("qwen3_5")
+    ps, news = prompts(t.vocab_size, 5, seed=9), (5, 9, 14, 7, 12)
+    events: queue.Queue = queue.Queue()
+    with Batch(t, parallel=3, context=CONTEXT, scheduler=Scheduler(t, patience=30.0, graphs=1)) as b:
+        for i, (p, n) in enumerate(zip(ps, news)):
+            b.submit(p, index=i, events=events, max_new_tokens=n, stop_at_eos=False)
+        got: dict[int, list[int]] = {i: [] for i in range(len(ps))}
+        left = len(ps)
+        while left:
+            e = events.get(timeout=120)
+            if not hasattr(e, "index"):  # a sequence's end marker, after its done event
+                continue
+            if e.error is not None:
+                raise e.error
+            got[e.index] += e.tokens
+            left -= e.done
+        graphs, counters = len(b.scheduler._runners["forward", 3, True]._graphs), b.scheduler.counters
+    for i, (p, n) in enumerate(zip(ps, news)):
+        assert got[i] == alone(t, p, max_new_tokens=n, stop_at_eos=False), f"prompt {i} differs from its run alone"
+    assert counters.captured_forwards > 0
+    assert graphs <= 2, f"{graphs} graphs for three sequences"

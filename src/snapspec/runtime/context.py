@@ -176,7 +176,7 @@ class Context:
             outs, best, rows = r
             self.advance(keys, ids[None], outs)
             return Rows(best, rows if logits else None, hidden=self._hidden_rows(outs))
-        self.advance(keys, r.ids[None], r.outs)
+        self.advance(keys if r.keys is None else r.keys, r.ids[None], r.outs)
         if len(r.ids) > t:
             self.rollback(self.n_past - (len(r.ids) - t))
         return Rows(r.best, r.logits, hidden=r.hidden if self.hidden else None)

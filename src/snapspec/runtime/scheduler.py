@@ -300,6 +300,8 @@ class Scheduler:
                 runner = captured or self._runner(len(group), head)
                 for p, r in zip(group, runner.forward(calls)):
                     p.result = r
+                    if not head:
+                        r.keys = p.call.keys  # _aligned may have moved them
                 rows = len(group) * max(len(c.ids) for c in calls)
                 counters.batched_forwards += len(group) > 1
                 counters.captured_forwards += captured is not None
@@ -320,6 +322,7 @@ class Scheduler:
         more (a lone sequence's step too: its runner is the graph for one sequence)."""
         if not self.graphs or max(len(c.ids) for c in calls) > self.graphs:
             return None
+        _aligned(calls)
         runner = self._runner(len(calls), captured=True)
         return runner if runner.fits(calls) else None
 
@@ -337,6 +340,28 @@ class Scheduler:
                 log.info("%s graph for %d sequences%s ready in %.1f s", graph, n, " (captured)" * captured,
                          time.monotonic() - started)
             return self._runners[graph, n, captured]
+
+
+def _aligned(calls: list[Call]) -> None:
+    """Bring every sequence of a fixed-address group to one key of its two-slot replay store.
+
+    A graph is made per key, and a key names each sequence's buffers: a sequence's replay store alternates between
+    its two slots at every forward, and where it stands depends on how many forwards it has run (its prompt's
+    chunks, its rounds). Sequences that met at different parities would each need graphs of their own combination,
+    up to 2^n for n sequences, and a server whose requests come and go passes its MAX_GRAPHS soon, after which its
+    steps run without graphs. So the sequences in the minority move their live state to the other slot (a device
+    copy of the recurrent state: a few MB at the 4B shape), and a stable set of sequences keeps two graphs."""
+    for i, store in enumerate(calls[0].ctx.stores):
+        if not hasattr(store, "flip"):
+            continue
+        counts: dict = {}
+        for c in calls:
+            counts[c.keys[i]] = counts.get(c.keys[i], 0) + 1
+        want = max(counts, key=counts.get)
+        for c in calls:
+            if c.keys[i] != want:
+                c.ctx.stores[i].flip()
+                c.keys = c.ctx.keys()
 
 
 def batchable(model) -> str | None:

@@ -48,6 +48,7 @@ class Result:
     best: np.ndarray  # [keep] argmax ids of its kept rows
     logits: np.ndarray | None  # [keep, vocab]
     hidden: np.ndarray | None  # [t, H] its fed rows' hidden states, when its context returns them
+    keys: tuple | None = None  # its stores' keys the forward ran from, where the scheduler changed them (_aligned)
 
 
 CACHED = 32  # bindings kept per runner: a stable set of sequences alternates between two key combinations

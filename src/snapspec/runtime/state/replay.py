@@ -47,6 +47,17 @@ class ReplayState(SlotState):
         self._last = _Forward(start, t, key[0], key[1], outputs["rollback_data"])
         super().advanced(start, t, key, outputs)
 
+    def flip(self) -> None:
+        """Move the live state to the other slot (a device copy), so that the next forward reads that slot: what
+        the scheduler does to bring sequences that meet in a CUDA graph to one key (scheduler.py `_aligned`). The
+        other slot held the last forward's start, which is then out of reach (that forward is not replayed)."""
+        other = 1 - self.cur
+        for name, value in self.slots[self.cur].items():
+            self.zero.copy(value, self.slots[other][name])
+        self.slot_pos[other] = self.slot_pos[self.cur]
+        self.cur = other
+        self._last = None
+
     def _replayable(self, pos: int) -> bool:
         last = self._last
         return last is not None and last.start <= pos < last.start + last.length and \
