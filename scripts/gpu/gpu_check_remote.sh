@@ -79,7 +79,7 @@ PY
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
   cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
   [ $cmd = batch ] && for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
-  [ $cmd = graphs ] && [ -n "${GDIAG:-}" ] && { timeout 540 python3 scripts/gpu/graphs_diag.py ${GDIAG_ARCHS:-} 2>&1 |
+  { [ $cmd = graphs ] || [ $cmd = hostcmp ]; } && [ -n "${GDIAG:-}" ] && { timeout 540 python3 scripts/gpu/graphs_diag.py ${GDIAG_ARCHS:-} 2>&1 |
     grep -v Writing | tee $out/graphs-diag.txt; }
   [ -n "${DIAG_ONLY:-}" ] && exit
   python3 - <<'PY' 2>&1 | tail -3
@@ -112,12 +112,15 @@ PY
             sed "s/^/$tree /" | tee -a $out/hostcmp-batch-$shape.txt
         done
       done
-      for rep in $(seq ${HOSTCMP_REPS:-2}); do
-        for st in one threads; do
-          timeout 240 python3 benchmarks/serve_parallel.py concurrent --target /tmp/gc/x-$shape --parallel 16 \
-            --clients 16 --requests 2 --max-tokens ${SERVE_TOKENS:-128} --no-bracket --prompts $c2/prompts.jsonl \
-            --server-args="--ep cuda --cuda-graph 1 --rollback replay --stepping $st --cache-ram 0" \
-            --out $out/j/serve-$shape-$st-$rep.json 2>&1 | tail -3 | sed "s/^/$st /" | tee -a $out/serve-$shape.txt
+      for rep in $(seq ${HOSTCMP_REPS:-2}); do  # SERVE_CMP=trees: this tree's server against the old one's
+        for st in $([ "${SERVE_CMP:-}" = trees ] && echo new old || echo one threads); do
+          src=$G/src; [ $st = old ] && src=$old
+          PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 240 python3 benchmarks/serve_parallel.py concurrent \
+            --target /tmp/gc/x-$shape --parallel 16 --clients ${SERVE_CLIENTS:-16} --requests ${SERVE_REQUESTS:-2} \
+            --max-tokens ${SERVE_TOKENS:-128} --no-bracket --prompts $c2/prompts.jsonl --server-args="--ep cuda \
+            --cuda-graph 1 --rollback replay --stepping $([ $st = threads ] && echo threads || echo one) \
+            --cache-ram 0" --out $out/j/serve-$shape-$st-$rep.json 2>&1 | tail -3 | sed "s/^/$st /" |
+            tee -a $out/serve-$shape.txt
         done
       done
       tar czf $out/json-$shape.tgz -C $out/j . && rm -rf $out/j

@@ -35,15 +35,18 @@ for arch in sys.argv[1:] or MODEL_TYPES:
         print(f"{arch}: not batched ({why})", flush=True)
         continue
     ps = prompts(t.vocab_size, 5, seed=len(arch))
+    news = (24, 9, 17, 12, 20)  # each prompt ends after its own count: the later ones join mid-run, at either slot
     for drafter in ("ngram", None) + (("mtp",) if mtp else ()):  # mtp: each slot's head chains its drafts
-        kw = dict(max_new_tokens=24, stop_at_eos=False, **({"draft_max": 4} if drafter else {}))
+        kw = dict(stop_at_eos=False, **({"draft_max": 4} if drafter else {}))
         with Batch(t, drafter, parallel=3, context=CONTEXT) as b:
-            seqs = [b.submit(p, **kw) for p in ps]
+            seqs = [b.submit(p, max_new_tokens=n, **kw) for p, n in zip(ps, news)]
             together = [[tok for e in s for tok in e.tokens] for s in seqs]
             counters = dict(vars(b.scheduler.counters))
-        solo = [Generator(t, p, drafter=drafter, context=CONTEXT, **kw).run() for p in ps]
+            graphs = {k[1]: len(r._graphs) for k, r in b.scheduler._runners.items() if k[2] and hasattr(r, "_graphs")}
+        solo = [Generator(t, p, drafter=drafter, context=CONTEXT, max_new_tokens=n, **kw).run()
+                for p, n in zip(ps, news)]
         equal = sum(x == y for x, y in zip(together, solo))
         failed += equal != len(ps)
         print(f"{arch} {drafter or 'plain'}: {equal}/{len(ps)} equal alone; captured forwards "
-              f"{counters['captured_forwards']} of {counters['forwards']}", flush=True)
+              f"{counters['captured_forwards']} of {counters['forwards']}; graphs by sequences {graphs}", flush=True)
 sys.exit(1 if failed else 0)
