@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import onnxruntime as ort
 
 from . import DeviceCopy, bind_prefix
+from ..device.copy import Region
 from .ring import SlotState
 
 
@@ -52,8 +53,7 @@ class ReplayState(SlotState):
         the scheduler does to bring sequences that meet in a CUDA graph to one key (scheduler.py `_aligned`). The
         other slot held the last forward's start, which is then out of reach (that forward is not replayed)."""
         other = 1 - self.cur
-        for name, value in self.slots[self.cur].items():
-            self.zero.copy(value, self.slots[other][name])
+        self.zero.copy.copy([(Region(v), Region(self.slots[other][name])) for name, v in self.slots[self.cur].items()])
         self.slot_pos[other] = self.slot_pos[self.cur]
         self.cur = other
         self._last = None
