@@ -100,7 +100,7 @@ PY
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
     if [ $cmd = hostcmp ]; then  # the host's part of a batched step: this tree against C2's old.tar.xz, then serve
       old=$G/old && rm -rf $old && mkdir -p $old $out/j && xz -dc $c2/old.tar.xz | tar x -C $old || exit 1
-      for rep in $(seq ${HOSTCMP_REPS:-2}); do
+      for rep in $(seq $([ "${HOSTCMP_BATCH:-1}" = 0 ] && echo 0 || echo ${HOSTCMP_REPS:-2})); do
         for tree in new old; do
           src=$G/src; [ $tree = old ] && src=$old
           PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 150 python3 $src/benchmarks/batch_step_profile.py --ep cuda \
