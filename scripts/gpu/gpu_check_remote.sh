@@ -47,7 +47,7 @@ stash)
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
 run|batch|profile|stepping|graphs|hostcmp)
-  c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out
+  c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out && out=$(cd $out && pwd)
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
   rm -rf $G/ortgpu $G/deps $G/src && mkdir -p $G/ortgpu $G/src
@@ -102,20 +102,20 @@ PY
       old=$G/old && rm -rf $old && mkdir -p $old $out/j && xz -dc $c2/old.tar.xz | tar x -C $old || exit 1
       for rep in $(seq $([ "${HOSTCMP_BATCH:-1}" = 0 ] && echo 0 || echo ${HOSTCMP_REPS:-2})); do
         for tree in new old; do
-          src=$G/src; [ $tree = old ] && src=$old
-          PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 150 python3 $src/benchmarks/batch_step_profile.py --ep cuda \
-            --target /tmp/gc/x-$shape --parallel 1,16 --new 64 --prompts $c2/prompts.jsonl --stepping one --graphs 1 \
-            2>&1 | grep '^{' | sed "s/^/$tree /" | tee -a $out/hostcmp-step-$shape.txt
-          PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 200 python3 $src/benchmarks/batching.py --ep cuda \
+          at=$G/src; [ $tree = old ] && at=$old  # each tree runs its own benchmark scripts
+          (cd $at && PYTHONPATH=$G/ortgpu:$G/deps:$at/src timeout 150 python3 benchmarks/batch_step_profile.py \
+            --ep cuda --target /tmp/gc/x-$shape --parallel 1,16 --new 64 --prompts $c2/prompts.jsonl --stepping one \
+            --graphs 1) 2>&1 | grep '^{' | sed "s/^/$tree /" | tee -a $out/hostcmp-step-$shape.txt
+          (cd $at && PYTHONPATH=$G/ortgpu:$G/deps:$at/src timeout 200 python3 benchmarks/batching.py --ep cuda \
             --target /tmp/gc/x-$shape --parallel 16 --limit 16 --new ${NEW:-256} --prompts $c2/prompts.jsonl \
-            --stepping one --graphs 1 --reps 2 --json $out/j/batch-$shape-$tree-$rep.json 2>&1 | grep '^rep' |
+            --stepping one --graphs 1 --reps 2 --json $out/j/batch-$shape-$tree-$rep.json) 2>&1 | grep '^rep' |
             sed "s/^/$tree /" | tee -a $out/hostcmp-batch-$shape.txt
         done
       done
       for rep in $(seq ${HOSTCMP_REPS:-2}); do  # SERVE_CMP=trees: this tree's server against the old one's
         for st in $([ "${SERVE_CMP:-}" = trees ] && echo new old || echo one threads); do
-          src=$G/src; [ $st = old ] && src=$old
-          PYTHONPATH=$G/ortgpu:$G/deps:$src/src timeout 240 python3 benchmarks/serve_parallel.py concurrent \
+          at=$G/src; [ $st = old ] && at=$old
+          PYTHONPATH=$G/ortgpu:$G/deps:$at/src timeout 240 python3 benchmarks/serve_parallel.py concurrent \
             --target /tmp/gc/x-$shape --parallel 16 --clients ${SERVE_CLIENTS:-16} --requests ${SERVE_REQUESTS:-2} \
             --max-tokens ${SERVE_TOKENS:-128} --no-bracket --prompts $c2/prompts.jsonl --server-args="--ep cuda \
             --cuda-graph 1 --rollback replay --stepping $([ $st = threads ] && echo threads || echo one) \
