@@ -55,7 +55,7 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--parallel", type=_parallel, default="auto", metavar="N",
                    help="requests decoded together, each on a slot (a context) of its own, their steps in one forward "
                         f"(default auto: {PARALLEL_AUTO} where the model can batch, else 1; 1 serves one at a time)")
-    p.add_argument("--stepping", choices=["auto", "one", "threads"], default="auto",
+    p.add_argument("--stepping", choices=["auto", "one", "threads"], default="auto",  # runtime/stepping.py MODES
                    help="with --parallel > 1, who runs each request's Python between forwards: one, the scheduler's "
                         "thread (each request a greenlet there: no thread wakes per step); threads, a thread each; "
                         "auto (default): one, unless the drafter is a model (its forwards overlap in threads)")

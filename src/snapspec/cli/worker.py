@@ -65,6 +65,7 @@ class Worker(lifecycle.Admission):
         from snapspec.runtime.adaptive import SharedForwards
         from snapspec.runtime.chat import PromptCache
         from snapspec.runtime.prefix_cache import PrefixCache
+        from snapspec.runtime import stepping as steps
         from snapspec.runtime.scheduler import Scheduler, batchable
 
         why = batchable(target)
@@ -98,11 +99,7 @@ class Worker(lifecycle.Admission):
             for slot in self.slots:
                 slot.reset()
         self._free = list(self.slots)
-        if stepping not in ("auto", "one", "threads"):
-            raise SnapspecError(f"stepping must be auto, one or threads, not {stepping!r}")
-        if stepping == "auto":  # a drafter model's forwards overlap others' work only in threads of their own
-            stepping = "threads" if any(s.drafter is not None and s.drafter.extras.context is not None
-                                        for s in self.slots) else "one"
+        stepping = steps.choose(stepping, [slot.drafter for slot in self.slots])  # Batch's rule for "auto"
         self.stepping = stepping if self.scheduler is not None else "threads"
         self._stepped: deque = deque()  # (job, future) admitted for the scheduler's thread, not started yet
         if self.stepping == "one":

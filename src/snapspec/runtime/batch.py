@@ -33,6 +33,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
+from . import stepping as steps
 from .adaptive import SharedForwards
 from .generation import Generator, final_text, prompt_of
 from .model import Model
@@ -104,8 +105,7 @@ class Batch:
         runners/batched_captured.py), a lone sequence's too (default: the target's cuda_graph)."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
-        if stepping not in ("auto", "one", "threads"):
-            raise SnapspecError(f"stepping must be auto, one or threads, got {stepping!r}")
+        steps.choose(stepping, ())  # a bad value fails before anything is made
         self.target = target
         self.parallel = int(parallel)
         sources = slot_drafters(target, drafter, self.parallel)
@@ -137,12 +137,9 @@ class Batch:
                 raise
         self._count = 0
         self._lock = threading.Lock()
-        if stepping == "auto":  # a drafter model's context (Extras.context) runs forwards outside the scheduler
-            stepping = "threads" if any(p.drafter is not None and p.drafter.extras.context is not None
-                                        for p in self.pairs) else "one"
-        self.stepping = stepping
+        self.stepping = steps.choose(stepping, [p.drafter for p in self.pairs])
         self._waiting: deque = deque()  # stepped sequences submitted, not started yet (no free slot)
-        if stepping == "one":
+        if self.stepping == "one":
             self.scheduler.steps.add_source(self._next)
 
     @property

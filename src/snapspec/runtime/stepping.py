@@ -27,7 +27,23 @@ from typing import Callable
 
 import greenlet
 
+from snapspec import SnapspecError
+
 log = logging.getLogger("snapspec")
+
+
+MODES = ("auto", "one", "threads")
+
+
+def choose(stepping: str, drafters) -> str:
+    """"one" or "threads" for a Batch's or a server's slots, whose draft sources are `drafters`: "auto" is "threads"
+    where a slot drafts with a model (its context runs forwards outside the scheduler, which threads overlap on the
+    CPU's cores; module doc), else "one"."""
+    if stepping not in MODES:
+        raise SnapspecError(f"stepping must be auto, one or threads, got {stepping!r}")
+    if stepping != "auto":
+        return stepping
+    return "threads" if any(d is not None and d.extras.context is not None for d in drafters) else "one"
 
 
 class _Sequence(greenlet.greenlet):
