@@ -9,6 +9,8 @@
 #             prompt_toolkit, wcwidth, jinja2 >= 3.1.6); with CPU_ORT, ort-cpu.tar.xz (that onnxruntime CPU wheel's
 #             package, without libonnxruntime.so, which the Python module does not load)
 # NO_SRC=1 leaves src.tar out: the remote script then runs the working tree the call carries (from its root).
+# SERVE=1 carries snapspec serve's and the openai client's wheels instead of llguidance's and prompt_toolkit's (the
+# hostcmp mode's serve runs; the tree and C2 must fit 64 MiB: PART_MIB=35).
 # PART_MIB (default 42) sizes part 1; the other part and c2's rest must fit beside the working tree too.
 # On the machine, scripts/gpu/gpu_check_remote.sh takes them:  stash .payload/c1  then  run .payload/c2 $OUT
 # (and, with CPU_ORT,  cpu .payload/c2 $OUT).
@@ -28,7 +30,15 @@ rm -f $out/c1/ort90.tar.xz.* $out/c2/ort90.tar.xz.*
 (cd $work && rm -f ort90.tar.xz.[0-9] && split -d -a 1 -b "${PART_MIB:-42}M" ort90.tar.xz ort90.tar.xz.)
 [ ! -e $work/ort90.tar.xz.2 ] || { echo "more than two parts: raise PART_MIB" >&2; exit 1; }
 cp $work/ort90.tar.xz.0 $out/c1/ && cp $work/ort90.tar.xz.1 $out/c2/
-pipdl $out/c2/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6 greenlet==3.5.6
+rm -f $out/c2/wheels/*.whl
+if [ -n "${SERVE:-}" ]; then  # snapspec serve and the openai client (hostcmp); llguidance and prompt_toolkit make room
+  pipdl $out/c2/wheels jinja2==3.1.6 greenlet==3.5.6 openai==3.63.0 httpx2==2.17.0 httpcore2==2.17.0 truststore \
+    jiter==0.19.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+    typing_extensions==4.16.0 starlette==1.10.0 uvicorn==0.55.0 sniffio==1.3.1 certifi idna prometheus-client click \
+    tqdm
+else
+  pipdl $out/c2/wheels llguidance==1.9.1 prompt_toolkit==3.0.53 wcwidth==0.9.4 jinja2==3.1.6 greenlet==3.5.6
+fi
 rm -f $out/c2/src.tar; [ -n "${NO_SRC:-}" ] || (cd $repo && git archive HEAD -- . ':!src/snapspec/demo/*/*.safetensors' ':!benchmarks/models/*.safetensors') \
   > $out/c2/src.tar
 git -C $repo log -1 --format='%h %s' | cut -c1-160 > $out/c2/src.commit

@@ -53,7 +53,7 @@ class ReplayState(SlotState):
         the scheduler does to bring sequences that meet in a CUDA graph to one key (scheduler.py `_aligned`). The
         other slot held the last forward's start, which is then out of reach (that forward is not replayed)."""
         other = 1 - self.cur
-        self.zero.copy.copy([(Region(v), Region(self.slots[other][name])) for name, v in self.slots[self.cur].items()])
+        self.copy.copy([(Region(v), Region(self.slots[other][name])) for name, v in self.slots[self.cur].items()])
         self.slot_pos[other] = self.slot_pos[self.cur]
         self.cur = other
         self._last = None

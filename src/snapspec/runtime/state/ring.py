@@ -17,7 +17,7 @@ from . import DeviceCopy, Store, Zeros, allocate, dtype, host_array, shape
 class SlotState(Store):
     def __init__(self, specs: list[dict], n_slots: int, device: str, copy: DeviceCopy, fill: float = 0.0):
         self.specs = specs
-        self.device = device
+        self.device, self.copy = device, copy
         self.zero = Zeros(device, copy)
         self.slots = [{s["name"]: allocate(shape(s, 0), dtype(s), device, fill) for s in specs}
                       for _ in range(n_slots)]
