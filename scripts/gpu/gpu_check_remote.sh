@@ -29,6 +29,10 @@
 #                                                     then `snapspec serve --parallel 16 --cuda-graph 1` with
 #                                                     --stepping one and threads (benchmarks/serve_parallel.py, 16
 #                                                     clients; C2's wheels must hold the serve and openai packages)
+#   scripts/gpu/gpu_check_remote.sh pooled C2 OUT    one forward over slot-major state (scripts/gpu/pooled_probe.py:
+#                                                     the export at batch 16, one attention node per layer) against
+#                                                     today's batched graph, CUDA graphs both, alternating twice;
+#                                                     NOFLASH=1: the probe again without flash attention
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -46,7 +50,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|batch|profile|stepping|graphs|hostcmp)
+run|batch|profile|stepping|graphs|hostcmp|pooled)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out && out=$(cd $out && pwd)
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -98,6 +102,19 @@ PY
     if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
+    if [ $cmd = pooled ]; then  # one forward over slot-major state (scripts/gpu/pooled_probe.py) against today's
+      for rep in 1 2; do        # batched graph (batch_step_profile.py, CUDA graphs, stepping one), same call
+        timeout 240 python3 scripts/gpu/pooled_probe.py /tmp/gc/x-$shape --ep cuda --n 1,16 --steps ${NEW:-256} \
+          --check $([ $rep = 1 ] && echo 32 || echo 0) 2>&1 | grep '^{' | sed "s/^/pooled /" | tee -a $out/pooled-$shape.txt
+        timeout 200 python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 1,16 \
+          --new ${NEW:-256} --prompts $c2/prompts.jsonl --stepping one --graphs 1 2>&1 | grep '^{' |
+          sed "s/^/batched /" | tee -a $out/pooled-$shape.txt
+      done
+      [ -n "${NOFLASH:-}" ] && ORT_DISABLE_FLASH_ATTENTION=1 timeout 240 python3 scripts/gpu/pooled_probe.py \
+        /tmp/gc/x-$shape --ep cuda --n 1,16 --steps ${NEW:-256} --check 32 2>&1 | grep '^{' | sed "s/^/noflash /" |
+        tee -a $out/pooled-$shape.txt
+      continue
+    fi
     if [ $cmd = hostcmp ]; then  # the host's part of a batched step: this tree against C2's old.tar.xz, then serve
       old=$G/old && rm -rf $old && mkdir -p $old $out/j && xz -dc $c2/old.tar.xz | tar x -C $old || exit 1
       for rep in $(seq $([ "${HOSTCMP_BATCH:-1}" = 0 ] && echo 0 || echo ${HOSTCMP_REPS:-2})); do
