@@ -5,7 +5,7 @@ what a user gets is the decode rate after thousands of cached tokens, where ever
 cache each token. Per repetition and depth, one after the other:
   snapspec   a fresh process (realshape_cpu.py child): a context prefilled to DEPTH tokens, then TOKENS greedy
              one-token steps, tokens/s of the steps
-  llama.cpp  llama-bench -p 0 -n TOKENS -d DEPTH -r 2 on the GGUF (its mean tokens/s)
+  llama.cpp  llama-bench -p 0 -n TOKENS -d DEPTH on the GGUF (realshape_cpu.run_llama)
 
     python benchmarks/depth_cpu.py --folder PA/int4 --gguf a-target-Q4_0.gguf --llama ../shared/peers/llama.cpp/bin \
         --depths 16,1024,3968 --tokens 64 --reps 3 --threads 2 --json benchmarks/results/cpu/depth/<name>.json
@@ -20,32 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cpu_step_profile import emit, machine  # noqa: E402
-
-
-def snapspec_tps(folder: Path, depth: int, tokens: int, threads: int) -> float:
-    out = subprocess.run([sys.executable, str(HERE / "realshape_cpu.py"), "child", "--folder", str(folder), "--mode",
-                          "decode", "--tokens", str(tokens), "--depth", str(depth), "--threads", str(threads)],
-                         capture_output=True, text=True, timeout=900, check=False)
-    if out.returncode != 0:
-        raise RuntimeError("snapspec child failed: " + " | ".join(out.stderr.strip().splitlines()[-3:]))
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"])
-
-
-def llama_tps(llama: Path, gguf: Path, depth: int, tokens: int, threads: int) -> float:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(llama))  # the binaries find their CPU variants beside themselves
-    out = subprocess.run([str(llama / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-d", str(depth),
-                          "-t", str(threads), "-r", "2", "-o", "json"], capture_output=True, text=True, timeout=900,
-                         check=False, env=env)
-    if out.returncode != 0:
-        raise RuntimeError("llama-bench failed: " + " | ".join(out.stderr.strip().splitlines()[-3:]))
-    return float(json.loads(out.stdout)[0]["avg_ts"])
+from realshape_cpu import run_child, run_llama  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -63,8 +44,9 @@ def main(argv=None) -> int:
     runs = []
     for rep in range(a.reps):
         for depth in depths:
-            ours = snapspec_tps(a.folder, depth, a.tokens, a.threads)
-            theirs = llama_tps(a.llama, a.gguf, depth, a.tokens, a.threads)
+            ours = run_child(["--folder", str(a.folder), "--mode", "decode", "--tokens", str(a.tokens), "--depth",
+                              str(depth), "--threads", str(a.threads)])["tokens_per_s"]
+            theirs = run_llama(a.llama / "llama-bench", a.gguf, a.threads, 0, a.tokens, depth)["tokens_per_s"]
             runs.append({"rep": rep, "depth": depth, "snapspec_tps": round(ours, 1), "llama_tps": round(theirs, 1),
                          "ratio": round(ours / theirs, 3), "load": os.getloadavg()[0]})
             print(json.dumps(runs[-1]), flush=True)

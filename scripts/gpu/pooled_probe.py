@@ -14,7 +14,8 @@ refuses several sequences in a call of several rows after a past).
 Prints one JSON line per n: ms per step over the first 64 steps and over the rest (contexts grow from 0), and for
 n > 1 whether every row's greedy ids and logits over `--check` steps equal the same sequence run alone at batch 1
 (bitwise, and the largest difference). CUDA graphs replay every step (--graphs 0: ordinary runs). On CPU it runs
-uncaptured, for checking the script.
+uncaptured, for checking the script. A step's time includes its host work at both n alike: the ids, positions and
+lengths copied to the device and the next ids read back, each a synchronous copy (the runtime queues them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from snapspec.runtime.exactness import EXTERNAL_FOLDER
+from snapspec.runtime.state import allocate, dtype, shape
+
 SEQLENS, TOTAL = "pooled/seqlens_k", "pooled/total_sequence_length"
 NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
@@ -39,6 +43,8 @@ def pooled_graph(path: str, n: int) -> bytes:
     m = onnx.load(path, load_external_data=False)
     for node in m.graph.node:
         if node.op_type == "GroupQueryAttention":
+            if len(node.input) != 7:
+                raise SystemExit(f"{node.name}: a GroupQueryAttention without seqlens_k and total_sequence_length")
             node.input[5], node.input[6] = SEQLENS, TOTAL
     m.graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, [n]),
                           helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [])])
@@ -51,36 +57,31 @@ class Pooled:
         fwd = self.man["graphs"]["forward"]
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", folder)
+        opts.add_session_config_entry(EXTERNAL_FOLDER, folder)
         self.dev = "cuda" if ep == "cuda" else "cpu"
         providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if graphs else "0"})] if ep == "cuda" \
             else ["CPUExecutionProvider"]
         self.s = ort.InferenceSession(pooled_graph(os.path.join(folder, fwd["file"]), n), opts, providers=providers)
         self.n, self.graphs, self.ctx = n, graphs and ep == "cuda", ctx
         outs = {o.name: o for o in self.s.get_outputs()}
-        self.front = self._alloc([2 * n], np.int64)  # ids | positions
-        self.seqlens = self._alloc([n], np.int32)
-        self.mask = ort.OrtValue.ortvalue_from_numpy(np.ones((n, ctx), np.int64), self.dev, 0)
+        self.front = allocate([2 * n], np.int64, self.dev, 0)  # ids | positions
+        self.seqlens = allocate([n], np.int32, self.dev, 0)
+        self.mask = allocate([n, ctx], np.int64, self.dev, 1)  # only its width is read: no spare row
         self.pinned = [np.array(1, np.int64), np.array(ctx, np.int32)]
+        # every state tensor as one buffer of n rows (the manifest's shape at batch n); recurrent ones in two slots
         self.kv, self.rec = {}, [{}, {}]
         for st in self.man["state"]:
-            dims = [n if d == "batch" else ctx if d == "context" else int(d) for d in st["shape"]]
-            dt = np.float32 if st["dtype"] == "float32" else np.float16
+            dims = [n] + shape(st, ctx)[1:]
             if "context" in st["shape"]:
-                self.kv[st["name"]] = (st, self._alloc(dims, dt))
+                self.kv[st["name"]] = (st, allocate(dims, dtype(st), self.dev, 0))
             else:
                 for slot in self.rec:
-                    slot[st["name"]] = (st, self._alloc(dims, dt))
-        self.outputs = {}
-        for name in ("next_tokens", "logits", "rollback_data"):
-            if name in outs:
-                dims = [n, 1] + [int(d) for d in outs[name].shape[2:]]
-                self.outputs[name] = self._alloc(dims, NP[outs[name].type])
+                    slot[st["name"]] = (st, allocate(dims, dtype(st), self.dev, 0))
+        self.outputs = {name: allocate([n, 1] + [int(d) for d in outs[name].shape[2:]], NP[outs[name].type],
+                                       self.dev, 0)
+                        for name in ("next_tokens", "logits", "rollback_data") if name in outs}
         self.bindings = [self._bind(k) for k in (0, 1)]
         self.step = 0
-
-    def _alloc(self, dims, dt):
-        return ort.OrtValue.ortvalue_from_numpy(np.zeros(dims, dt), self.dev, 0)
 
     def _bind(self, k: int):
         n, b = self.n, self.s.io_binding()
@@ -107,8 +108,7 @@ class Pooled:
 
     def reset(self) -> None:
         for st, v in list(self.kv.values()) + [x for slot in self.rec for x in slot.values()]:
-            v.update_inplace(np.zeros(v.shape(), v.numpy().dtype if self.dev == "cpu" else
-                                      (np.float32 if st["dtype"] == "float32" else np.float16)))
+            v.update_inplace(np.zeros(v.shape(), dtype(st)))
         self.step = 0
 
     def forward(self, ids: np.ndarray, pos: int, logits: bool = False):
