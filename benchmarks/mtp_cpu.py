@@ -2,7 +2,8 @@
 prompts and the same number of new tokens, in one run.
 
 1. `snapspec bench` (run as a child, its JSON kept whole): plain decoding bracketing pair-a's own drafter, n-gram
-   drafts and the MTP head, each at every --k and adaptive k; every speculative text equal to plain greedy;
+   drafts, the MTP head and n-gram drafts with the head where a lookup finds none (`ngram+mtp`), each at every --k
+   and adaptive k; every speculative text equal to plain greedy;
    acceptance per draft position and each drafter's step cost c from the bench's cost model.
 2. llama.cpp (the peer build in ../shared/peers/llama.cpp): llama-completion (plain) and llama-speculative-simple
    with `--spec-type draft-mtp` (its MTP head, from the GGUF the converter wrote with mtp.*) and `draft-simple`
@@ -220,8 +221,9 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         if not a.skip_snapspec:
             out = tmp / "bench.json"
-            cmd = [sys.executable, "-m", "snapspec", "bench", "--target", str(a.target), "--drafter", str(a.drafter),
-                   "--drafter", "ngram", "--drafter", "mtp", "--prompts", str(a.prompts), "--k", a.k, "--reps",
+            sources = [str(a.drafter), "ngram", "mtp", "ngram+mtp"]
+            cmd = [sys.executable, "-m", "snapspec", "bench", "--target", str(a.target),
+                   *(x for src in sources for x in ("--drafter", src)), "--prompts", str(a.prompts), "--k", a.k, "--reps",
                    str(a.reps), "--max-new-tokens", str(a.max_new_tokens), "--threads", str(a.threads),
                    "--drafter-threads", str(a.drafter_threads), "--json", str(out)]
             if a.limit:

@@ -164,7 +164,7 @@ def test_padded_forward(arch, loaded):
             assert np.array_equal(state[name], value), f"sequence {i}: {name} differs from alone after the padding"
 
 
-SOURCES = ["none", "ngram", "mtp", "drafter"]
+SOURCES = ["none", "ngram", "mtp", "ngram+mtp", "drafter"]
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -176,7 +176,7 @@ def test_random_arrivals_cancellations_and_sources(loaded, data):
     t = loaded("qwen3_5", mtp=True)
     d = loaded("qwen3_5_text")
     sources = data.draw(st.lists(st.sampled_from(SOURCES), min_size=2, max_size=2, unique=True), label="sources")
-    spec = {"none": None, "ngram": "ngram", "mtp": "mtp", "drafter": d}
+    spec = {"none": None, "ngram": "ngram", "mtp": "mtp", "ngram+mtp": "ngram+mtp", "drafter": d}
     n = data.draw(st.integers(2, 5), label="prompts")
     ps = prompts(t.vocab_size, n, seed=data.draw(st.integers(0, 99), label="seed"))
     which = data.draw(st.lists(st.integers(0, 1), min_size=n, max_size=n), label="source of each")

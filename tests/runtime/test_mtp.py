@@ -110,6 +110,48 @@ def test_drafts_equal_a_fresh_head_over_the_whole_history(checkpoint):
         prompt = seq + list(rng.integers(0, vocab, 4))  # the next turn: the conversation so far and more
 
 
+def test_rounds_of_another_source_keep_the_head_on_the_history():
+    """Rounds whose draft came from another source (MtpDrafter.foreign: an n-gram lookup's, drafters/ngram_mtp.py),
+    several in a row, with random acceptance, between rounds of the head's own and plain steps: the head does not run
+    for them, and every draft of its own equals that of a fresh head fed the whole sequence."""
+    from snapspec.runtime.drafters import Draft
+
+    vocab, rng = 50, np.random.default_rng(7)
+    head = FakeHead(vocab)
+    drafter = MtpDrafter(head=head)
+    prompt = list(rng.integers(0, vocab, 9))
+    st = Stats()
+    drafter.start(prompt, sampling=SamplingParams(), rng=rng, stats=st, prefill=rows_of(prompt, 0, len(prompt) - 1))
+    seq = prompt + [int(rng.integers(vocab))]
+    own = 0
+    for step in range(30):
+        kind = ("foreign", "foreign", "foreign", "own", "plain", "own")[step % 6]
+        n = len(seq)
+        if kind == "plain":
+            drafter.accepted(0, rows_of(seq, n - 1, n - 1))
+            seq.append(int(rng.integers(vocab)))
+            continue
+        k = int(rng.integers(1, 6))
+        if kind == "foreign":
+            calls = head.calls
+            draft = Draft([int(x) for x in rng.integers(0, vocab, k)])
+            drafter.foreign(seq, draft)
+            assert head.calls == calls
+        else:
+            draft = drafter.propose(seq, k)
+            assert draft.tokens == reference_draft(vocab, seq, k), step
+            fresh = FakeHead(vocab)  # every pair (t_{p+1}, h_p), p = 0..n-2, in one forward
+            fresh.forward(seq[1:], np.stack([target_hidden(seq[:p + 1]) for p in range(n - 1)]))
+            assert np.array_equal(head.kv[:n - 1], fresh.kv[:n - 1]), step  # the drafts alone can coincide
+            own += 1
+        j = int(rng.integers(0, k + 1))
+        full = seq + draft.tokens
+        mode = drafter.accepted(j, rows_of(full, n - 1, n + k - 1))
+        assert mode == ("truncate" if kind == "own" and k > 1 else None), (step, kind)
+        seq = full[:n + j] + [int(rng.integers(vocab))]
+    assert own == 10
+
+
 class SubsetHead(FakeHead):
     """A head with a draft vocabulary {0, 1, 2} (export/draft_vocab.py): float32's lowest logit elsewhere, as the
     exported subset head emits."""

@@ -464,7 +464,7 @@ def test_cli_generate_bench_conformance(tiny_export, tmp_path, monkeypatch, caps
     got = json.loads(capsys.readouterr().out)
     assert got["token_ids"] == want and got["drafter"] == "ngram" and "drafter" in got["providers"]
 
-    for bad, message in ((["--ngram-min", "2"], "apply to --drafter ngram only"),
+    for bad, message in ((["--ngram-min", "2"], "apply to --drafter ngram (or ngram+mtp) only"),
                          (["--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "3"], "ngram-min <= ngram-max"),
                          (["--drafter", "ngram", "--ngram-max", "0"], "--ngram-max: expected an integer >= 1")):
         assert main(plain + bad) == 2

@@ -62,6 +62,7 @@ class Config:
     accepted_at: dict = field(default_factory=dict)
     lookups: int = 0  # n-gram drafts asked for, and found
     lookup_hits: int = 0
+    rounds: int = 0
 
     def add(self, tps: float, base: float, stats: list, seconds: float) -> None:
         """One repetition: its tokens/s against the plain figure bracketing it, and the generations' counters."""
@@ -79,6 +80,7 @@ class Config:
             _count(self.accepted_at, s.accepted_at.items())
             self.lookups += s.lookups
             self.lookup_hits += s.lookup_hits
+            self.rounds += s.rounds
 
 
 def _count(into: dict, items) -> None:

@@ -14,7 +14,7 @@ COLUMNS = (("config", False), ("tok/s", True), ("speedup", True), ("min-max", Tr
 LEGEND = ("model: the cost model's speedup; accept: accepted per drafted token at the row's k (the probe's "
           "acceptance above is its own pass at k_max); {hits}tok/round: tokens per round; rollback time: its share "
           "of decoding")
-STEP = {"model": "drafter step", "ngram": "lookup", "mtp": "MTP head step"}  # what the cost model's c times
+STEP = {"model": "drafter step", "ngram": "lookup", "mtp": "MTP head step", "ngram+mtp": "MTP head step"}  # what the cost model's c times
 
 
 def print_table(result: dict, con) -> None:
@@ -58,7 +58,7 @@ def _header(result: dict, con) -> None:
 
 
 def _kind(result: dict, name: str) -> str:
-    """model, ngram or mtp (summary.py's drafter_kinds; from the label for a result written before it)."""
+    """model, ngram, mtp or ngram+mtp (summary.py's drafter_kinds; from the label for a result written before it)."""
     kind = result.get("drafter_kinds", {}).get(name)
     return kind or ("ngram" if name.startswith("ngram ") else "mtp" if name == "mtp" else "model")
 

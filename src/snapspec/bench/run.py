@@ -122,9 +122,11 @@ class Bench:
             self.progress.phase(f"probe ({name})")
             accepted = Counter()
             _, stats, _ = self.spec_pass(Config(f"{name} probe", k_max, "auto", src), accepted=accepted)
-            lookups, hits = sum(s.lookups for s in stats), sum(s.lookup_hits for s in stats)
-            accepted[0] -= lookups - hits  # a missed lookup was a plain step, not a round
-            hit = hits / lookups if lookups else 1.0
+            lookups, rounds = sum(s.lookups for s in stats), sum(s.rounds for s in stats)
+            # a lookup that found nothing was a plain step, not a round (with ngram+mtp the head drafts there instead)
+            plain = max(lookups - rounds, 0) if lookups else 0
+            accepted[0] -= plain
+            hit = 1.0 - plain / lookups if lookups else 1.0
             predicted = figures.predicted_by_k(self.costs[src], figures.emitted_by_k(accepted, k_max), hit)
             found[name] = {"k_max": k_max, "acceptance": figures.acceptance_of(accepted, k_max),
                            "lookup_hit_rate": hit, "k": figures.best_predicted(predicted),

@@ -36,16 +36,17 @@ def summarize(bench, plan: Plan, labels: list[str], configs: list[Config], plain
 
 
 def _kind(drafter) -> str:
-    from snapspec.runtime.drafters import MtpDrafter, NgramDrafter
-    return "ngram" if isinstance(drafter, NgramDrafter) else "mtp" if isinstance(drafter, MtpDrafter) else "model"
+    from snapspec.runtime.drafters import MtpDrafter, NgramDrafter, NgramMtpDrafter
+    kinds = ((NgramMtpDrafter, "ngram+mtp"), (NgramDrafter, "ngram"), (MtpDrafter, "mtp"))
+    return next((kind for cls, kind in kinds if isinstance(drafter, cls)), "model")
 
 
 def _probe(probe: dict | None, kinds: dict[str, str]) -> dict | None:
     """The probe's figures per drafter; a lookup hit rate only for a drafter that looks drafts up (a model or a head
-    drafts at every step: it has none)."""
+    drafts at every step: it has none; with ngram+mtp, the share of steps whose draft was a lookup's)."""
     if probe is None:
         return None
-    return {name: {key: v for key, v in p.items() if key != "lookup_hit_rate" or kinds[name] == "ngram"}
+    return {name: {key: v for key, v in p.items() if key != "lookup_hit_rate" or kinds[name].startswith("ngram")}
             for name, p in probe.items()}
 
 
@@ -59,9 +60,10 @@ def _row(cfg: Config, drafter: str, costs, drift: float) -> dict:
                                       for i, n in sorted(cfg.checked_at.items())},
            "rollbacks": cfg.rollbacks, "rollback_time_share": float(np.sum(cfg.rollback_s) / np.sum(cfg.decode_s)),
            "text_matches_plain": True}
-    hit = cfg.lookup_hits / cfg.lookups if cfg.lookups else 1.0
     if cfg.lookups:
-        row["lookup_hit_rate"] = hit  # steps whose lookup found a draft (the others were plain steps)
+        row["lookup_hit_rate"] = cfg.lookup_hits / cfg.lookups  # steps whose lookup found a draft
+    # the share of steps that were rounds: a lookup that found nothing was a plain step (with ngram+mtp, a head round)
+    hit = 1.0 - max(cfg.lookups - cfg.rounds, 0) / cfg.lookups if cfg.lookups else 1.0
     if cfg.k != "auto":
         row["predicted_speedup"] = figures.predicted_speedup(costs.C, costs.c, costs.r, cfg.k, m, hit) \
             if cfg.rollback == "auto" else None

@@ -244,13 +244,14 @@ def default_threads(folder) -> int | None:
 
 NGRAM = "ngram"
 MTP = "mtp"
-KEYWORDS = (NGRAM, MTP)  # --drafter values that name no folder
+NGRAM_MTP = "ngram+mtp"
+KEYWORDS = (NGRAM, MTP, NGRAM_MTP)  # --drafter values that name no folder
 
 
 def drafter_arg(value: str):
-    """--drafter: an exported folder, the word `ngram` (prompt lookup, no drafter model) or `mtp` (the target's own
-    MTP head). A folder named ngram or mtp is still reachable as ./ngram, ./mtp (kept as typed: Path("./ngram")
-    would print as "ngram")."""
+    """--drafter: an exported folder, the word `ngram` (prompt lookup, no drafter model), `mtp` (the target's own
+    MTP head) or `ngram+mtp` (a lookup's draft where it finds one, else the head's). A folder named like one of
+    them is still reachable as ./ngram, ./mtp (kept as typed: Path("./ngram") would print as "ngram")."""
     return value if value in KEYWORDS else Path(value)
 
 
@@ -267,17 +268,20 @@ def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, rep
     p.add_argument("--drafter", type=drafter_arg, required=required, action="append" if repeat else "store",
                    help="exported folder of a small model with the target's vocabulary; `ngram`: drafts copied "
                         "from earlier in the sequence, no drafter model; `mtp`: the target's own MTP head (an export "
-                        "of a checkpoint with mtp.* weights; a folder named ngram or mtp: ./ngram, ./mtp)"
+                        "of a checkpoint with mtp.* weights); `ngram+mtp`: a lookup's draft where it finds one, "
+                        "else the MTP head's (a folder named ngram or mtp: ./ngram, ./mtp)"
                         + ("; repeat to compare several in one run" if repeat else ""))
     p.add_argument("--ngram-min", type=at_least_one, default=None,
-                   help=f"--drafter ngram: shortest suffix looked up, in tokens (default {DEFAULT_MIN})")
+                   help=f"--drafter ngram (or ngram+mtp): shortest suffix looked up, in tokens (default {DEFAULT_MIN})")
     p.add_argument("--ngram-max", type=at_least_one, default=None,
-                   help=f"--drafter ngram: longest suffix looked up, tried first (default {DEFAULT_MAX})")
+                   help=f"--drafter ngram (or ngram+mtp): longest suffix looked up, tried first (default {DEFAULT_MAX})")
 
 
 def drafter_label(drafter) -> str:
-    """A drafter's name in reports: its folder, ngram with its sizes, or mtp."""
-    from snapspec.runtime.drafters import Drafter, MtpDrafter, NgramDrafter
+    """A drafter's name in reports: its folder, ngram with its sizes, mtp, or ngram with its sizes +mtp."""
+    from snapspec.runtime.drafters import Drafter, MtpDrafter, NgramDrafter, NgramMtpDrafter
+    if isinstance(drafter, NgramMtpDrafter):
+        return f"{drafter_label(drafter.ngram)}+{MTP}"
     if isinstance(drafter, NgramDrafter):
         return f"ngram {drafter.index.n_min}-{drafter.index.n_max}"
     if isinstance(drafter, MtpDrafter):
@@ -289,7 +293,8 @@ def drafter_label(drafter) -> str:
 
 def load_models(args, target_dir, drafter_dir=None):
     """(target, drafter or None) on the requested provider: the drafter is a Model, an NgramDrafter for
-    `--drafter ngram`, or an MtpDrafter for `--drafter mtp`. A drafter that fails to load is an error."""
+    `--drafter ngram`, an MtpDrafter for `--drafter mtp`, an NgramMtpDrafter for `--drafter ngram+mtp`. A drafter
+    that fails to load is an error."""
     target, drafters = load_drafters(args, target_dir, [] if drafter_dir is None else [drafter_dir])
     return target, (drafters[0] if drafters else None)
 
@@ -302,9 +307,10 @@ def load_drafters(args, target_dir, drafter_dirs):
     from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, check_range
 
     n_min, n_max = getattr(args, "ngram_min", None), getattr(args, "ngram_max", None)
-    if (n_min is not None or n_max is not None) and NGRAM not in drafter_dirs:
-        raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram only")
-    if NGRAM in drafter_dirs:
+    lookups = NGRAM in drafter_dirs or NGRAM_MTP in drafter_dirs
+    if (n_min is not None or n_max is not None) and not lookups:
+        raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram (or ngram+mtp) only")
+    if lookups:
         if n_min is None:  # a default that fits the other size when only one is given
             n_min = DEFAULT_MIN if n_max is None else min(DEFAULT_MIN, n_max)
         if n_max is None:
@@ -327,9 +333,9 @@ def _drafter(args, target, spec, ngram):
 
     given = getattr(args, "drafter_threads", None)
     if spec in KEYWORDS:
-        if spec == MTP:
+        if spec in (MTP, NGRAM_MTP):
             args.threads_used["mtp head"] = given  # None: the target's
-        return make_drafter(target, spec, ngram=ngram if spec == NGRAM else None, threads=given)
+        return make_drafter(target, spec, ngram=ngram if spec in (NGRAM, NGRAM_MTP) else None, threads=given)
     threads = next((t for t in (given, args.threads) if t is not None), None)
     threads = threads if threads is not None else default_threads(spec)
     drafter = make_drafter(target, spec, threads=threads, allow_fallback=args.allow_fallback)

@@ -1,8 +1,8 @@
 """A target and its draft source for one sequence, under one rollback policy (policy.py): the only way the runtime
 assembles them. Generation, PromptCache (chat, serve) and bench each hold a Pair.
 
-`make_drafter` turns whatever names a draft source (a loaded Model, an exported folder, "ngram", "mtp", a Drafter)
-into a Model or a Drafter, in one place. `Pair` opens the target's context (and a drafter model's, wrapped in a
+`make_drafter` turns whatever names a draft source (a loaded Model, an exported folder, "ngram", "mtp", "ngram+mtp",
+a Drafter) into a Model or a Drafter, in one place. `Pair` opens the target's context (and a drafter model's, wrapped in a
 ModelDrafter) through its Policy, and answers the one question the round asks: can a k-token draft be undone in
 place (`bounded`)? When it cannot (a draft longer than the window, a side without rollback, or
 `rollback="checkpoint"` forced), the Pair owns the fallback: `checkpoint(seq)` catches each context up on the tokens
@@ -21,14 +21,14 @@ from snapspec import SnapspecError
 
 from . import genai_folder
 from .context import Context
-from .drafters import Drafter, ModelDrafter, MtpDrafter, NgramDrafter
+from .drafters import NGRAM_MTP, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, NgramMtpDrafter
 from .model import Model, load
 from .policy import Policy
 from .stats import Stats
 
 log = logging.getLogger("snapspec")
 
-SPECS = "a loaded Model, an exported folder, a Drafter, \"ngram\" or \"mtp\""
+SPECS = "a loaded Model, an exported folder, a Drafter, \"ngram\", \"mtp\" or \"ngram+mtp\""
 
 
 def check_pair(target: Model, drafter: Model) -> None:
@@ -43,13 +43,15 @@ def make_drafter(target: Model, spec, *, ngram: tuple[int, int] | None = None, t
     target's vocabulary; a Pair runs it on a context of its own); an exported folder (a Path), loaded as a drafter
     on the target's provider (load_options reach load(); a folder that fails to load is an error, never a silent
     plain run); "ngram" (prompt lookup; ngram: its (shortest, longest) suffix); "mtp" (the target's own head;
-    threads: its session's)."""
+    threads: its session's); "ngram+mtp" (a lookup's draft where it finds one, else the head's)."""
     if spec is None or isinstance(spec, Drafter):
         return spec
     if isinstance(spec, str) and spec == "ngram":
         return NgramDrafter(target.vocab_size, *(ngram or ()))
     if isinstance(spec, str) and spec == "mtp":
         return MtpDrafter(target, threads=threads)  # an error when the target's folder has no head
+    if isinstance(spec, str) and spec == NGRAM_MTP:
+        return NgramMtpDrafter(NgramDrafter(target.vocab_size, *(ngram or ())), MtpDrafter(target, threads=threads))
     if isinstance(spec, (str, os.PathLike)):  # any other word is a folder (./ngram is a folder named ngram)
         options = {"ep": target.requested_ep, "spin": False, "cuda_graph": target.graph_tokens, **load_options}
         try:

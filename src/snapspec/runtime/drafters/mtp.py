@@ -179,6 +179,14 @@ class MtpDrafter(Drafter):
         self._draft = self.draft_steps(rows, seq, k, self._step, "the MTP head")
         return self._draft
 
+    def foreign(self, seq: list[int], draft: Draft) -> None:
+        """The next verify checks another source's draft after seq (drafters/ngram_mtp.py): accepted() then keeps
+        the rows of the tokens it accepts, as after a round of the head's own, and the head consumes them when it
+        next drafts. The head does not run."""
+        self._known = list(seq)
+        self._round = (len(seq), draft.n)
+        self._draft = draft
+
     def _step(self, token: int, rows):
         """One chained head step: the draft token with the head's own output hidden."""
         return self.head.forward([token], rows.hidden[-1:], logits=self.wants_logits)

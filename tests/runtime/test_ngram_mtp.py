@@ -1,0 +1,168 @@
+"""Lookup drafts with the MTP head where a lookup finds nothing (drafters/ngram_mtp.py): the sampled law with both
+sources drafting, greedy output equal to plain decoding with both sources' rounds in it, the head's drafts equal to a
+fresh head's over the whole history after lookup rounds, and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_mtp import PROMPT, FakeHead, echo_head, fresh_head_drafts, headed, rows_of  # noqa: F401 (headed: fixture)
+
+from snapspec.runtime import SamplingParams, Stats
+from snapspec.runtime.drafters import MtpDrafter, NgramDrafter, NgramMtpDrafter
+
+
+def test_sampled_law_with_lookup_and_head_drafts():
+    """Synthetic target conditionals over 5 tokens (test_sampling.py); a lookup of 2-token suffixes drafts where
+    it finds one (one-hot q rows), a fake head samples the other drafts (its q rows). The first two emitted tokens
+    follow the target's joint law (5 sigma per cell), and both sources drafted rounds."""
+    from test_sampling import V
+    from test_sampling import _logits as _uncached
+
+    from snapspec.runtime.sampling import accept, probs
+
+    memo: dict = {}
+
+    def _logits(prefix):
+        key = tuple(prefix)
+        if key not in memo:
+            memo[key] = _uncached(0, prefix)
+        return memo[key]
+
+    params, k = SamplingParams(temperature=1.0, top_k=4, seed=0), 2
+    rng = np.random.default_rng(5)
+    prompt = [0, 1, 2, 3, 0, 1]
+    drafter = NgramMtpDrafter(NgramDrafter(V, 2, 2), MtpDrafter(head=FakeHead(V)))
+    n, by_source = 4000, {"ngram": 0, "mtp": 0}
+    counts = np.zeros((V, V))
+    for _ in range(n):
+        drafter.start(prompt, sampling=params, rng=rng, stats=Stats(), prefill=rows_of(prompt, 0, len(prompt) - 1))
+        out = [int(rng.integers(V))]  # the prompt's last token; the law is checked on the next two
+        seq = prompt + out
+        emitted: list[int] = []
+        while len(emitted) < 2:
+            draft = drafter.propose(seq, k)
+            by_source[drafter.last_source] += 1
+            assert draft.n >= 1 and len(draft.q) == draft.n
+            m = draft.n
+            rows = np.stack([_logits(emitted + draft.tokens[:i]) for i in range(m + 1)])
+            j, nxt = accept(draft.tokens, draft.q, rows, params, rng)
+            drafter.accepted(j, rows_of(seq + draft.tokens, len(seq) - 1, len(seq) + m - 1))
+            emitted += draft.tokens[:j] + [nxt]
+            seq += draft.tokens[:j] + [nxt]
+        counts[emitted[0], emitted[1]] += 1
+    first = probs(_logits([]), params)
+    exact = np.array([[first[a] * probs(_logits([a]), params)[b] for b in range(V)] for a in range(V)])
+    sigma = np.sqrt(exact * (1 - exact) / n)
+    assert np.all(np.abs(counts / n - exact) <= 5 * sigma + 1e-9), np.max(np.abs(counts / n - exact) / sigma)
+    assert np.all(counts[exact == 0] == 0)
+    assert min(by_source.values()) > n // 10, by_source
+
+
+def test_greedy_equals_plain_with_both_sources(headed):
+    """Greedy speculation with ngram+mtp on a model that repeats tokens (lookups find drafts) with an echoing head
+    emits the plain greedy tokens for k = 1..8 and adaptive k; the rounds came from both sources, and the Generator's
+    counters add up (a lookup hit is one round, the head's rounds are the others)."""
+    from snapspec.runtime import Generator
+    from snapspec.runtime.contract import counters_add_up
+
+    t = headed("qwen3_5_text", echo=True, init=0.05)
+    prompt = t.encode(PROMPT)
+    plain = Generator(t, prompt, max_new_tokens=40, stop_at_eos=False).run()
+    lookup_rounds = head_rounds = 0
+    for k in [*range(1, 9), "auto"]:
+        g = Generator(t, prompt, drafter="ngram+mtp", max_new_tokens=40, draft_max=k, stop_at_eos=False)
+        assert g.run() == plain, k
+        st = g.stats
+        assert not counters_add_up(g), (k, counters_add_up(g))
+        lookup_rounds += st.lookup_hits
+        head_rounds += st.rounds - st.lookup_hits
+    assert lookup_rounds > 0 and head_rounds > 0, (lookup_rounds, head_rounds)
+
+
+class RecordingHead(NgramMtpDrafter):
+    """An NgramMtpDrafter that keeps (seq, draft) of every round its head drafted."""
+
+    def __init__(self, target, ngram: NgramDrafter):
+        super().__init__(ngram, MtpDrafter(target))
+        self.head_rounds, self.lookup_rounds = [], 0
+
+    def propose(self, seq, k):
+        draft = super().propose(seq, k)
+        if draft.n and self.last_source == "mtp":
+            self.head_rounds.append((list(seq), list(draft.tokens)))
+        self.lookup_rounds += draft.n > 0 and self.last_source == "ngram"
+        return draft
+
+
+def test_head_drafts_after_lookup_rounds_equal_a_fresh_head(headed):
+    """After lookup rounds (the head did not run for them), each of the head's drafts equals that of a fresh head fed
+    every pair (t_{p+1}, h_p) of the sequence, h from one target forward over it: the verifies' hidden rows of the
+    lookup rounds reached the head at their positions."""
+    from snapspec.runtime import Generator
+
+    t = headed("qwen3_5_text")
+    drafter = RecordingHead(t, NgramDrafter(t.vocab_size, 1, 2))
+    prompt = t.encode(PROMPT)
+    Generator(t, prompt, drafter=drafter, max_new_tokens=40, draft_max=3, stop_at_eos=False).run()
+    assert drafter.lookup_rounds > 0 and len(drafter.head_rounds) >= 2, (drafter.lookup_rounds, drafter.head_rounds)
+    for seq, draft in drafter.head_rounds[-3:]:
+        assert draft == fresh_head_drafts(t, seq, len(draft)), len(seq)
+
+
+def test_cli_generate_and_bench(headed, tmp_path, capsys):
+    """`--drafter ngram+mtp` on generate (equal to plain, with --ngram-min/--ngram-max) and bench (its kind, the
+    head's cost model, the share of rounds that were lookups')."""
+    from snapspec.cli.main import main
+
+    target = str(headed("qwen3_5_text", echo=True, init=0.05).folder)
+    plain = ["generate", "--target", target, "--prompt", PROMPT, "--max-new-tokens", "24", "--json", "--threads",
+             "1", "--ignore-eos"]
+    assert main(plain) == 0
+    want = json.loads(capsys.readouterr().out)["token_ids"]
+    assert main(plain + ["--drafter", "ngram+mtp", "--draft-max", "auto", "--ngram-min", "1", "--ngram-max", "3"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["drafter"] == "ngram 1-3+mtp" and got["stats"]["drafted"] > 0
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--target", target, "--drafter", "ngram+mtp", "--prompts", str(prompts), "--k", "2",
+                 "--reps", "1", "--max-new-tokens", "16", "--threads", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    name = "ngram 2-4+mtp"
+    assert r["drafters"] == [name] and r["drafter_kinds"][name] == "ngram+mtp"
+    assert r["cost_models"][name]["c"] > 0  # a head step, not a lookup
+    assert all(c["text_matches_plain"] for c in r["configs"])
+
+
+def test_cli_bad_sizes_one_line(headed, capsys):
+    from snapspec.cli.main import main
+
+    target = str(headed("qwen3_5_text").folder)
+    capsys.readouterr()  # the export's progress, when this test made it
+    bad = ["--drafter", "ngram+mtp", "--ngram-min", "5", "--ngram-max", "3"]
+    assert main(["generate", "--target", target, "--prompt", "x", "--max-new-tokens", "2", *bad]) == 2
+    err = capsys.readouterr().err
+    assert "ngram-min <= ngram-max" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe"])
+def test_batch_equals_alone(headed, arch):
+    """Five prompts (some repeating themselves: lookups find drafts there) on three slots of a Batch with ngram+mtp,
+    fixed and adaptive k: each slot has its own lookup index and head (spawn), the heads' forwards run together, and
+    every token list equals the prompt's run alone."""
+    from test_batch import alone, prompts, together
+
+    from snapspec.runtime.batch import Batch
+
+    t = headed(arch)
+    ps = prompts(t.vocab_size, 5, seed=3)
+    kw = dict(max_new_tokens=16, stop_at_eos=False)
+    for k in (3, "auto"):
+        with Batch(t, "ngram+mtp", parallel=3, context=96) as b:
+            got = together(b, ps, draft_max=k, **kw)
+        for i, p in enumerate(ps):
+            assert got[i] == alone(t, p, "ngram+mtp", draft_max=k, **kw), (k, i)
