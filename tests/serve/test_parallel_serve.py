@@ -100,10 +100,12 @@ def test_bad_parallel_is_one_line(target, value):
     assert "Traceback" not in p.stderr
 
 
-def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path):
+@pytest.mark.parametrize("drafter", ["mtp", "ngram+mtp"])
+def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path, drafter):
     """`--drafter mtp --parallel 3`: the command line makes one MtpDrafter, and each slot gets its own (spawn):
     concurrent completions all succeed and equal their generations alone, the heads' forwards run by the scheduler.
-    (One head shared by the slots failed with 'the MTP head has nothing to draft from'.)"""
+    (One head shared by the slots failed with 'the MTP head has nothing to draft from'.) The same with ngram+mtp,
+    whose slots each get a lookup index and a head."""
     from snapspec.export import export
     from snapspec.runtime import generate, load
 
@@ -111,7 +113,7 @@ def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path):
     export(tiny_model("qwen3_5", mtp=True), folder, log=lambda *a: None)
     model = load(folder, threads=1)
     prompts = [list(range(5 + i, 30 + 3 * i)) for i in range(3)]
-    with serving(tmp_path / "server.log", folder, *FLAGS, "--drafter", "mtp", "--draft-max", "3",
+    with serving(tmp_path / "server.log", folder, *FLAGS, "--drafter", drafter, "--draft-max", "3",
                  "--parallel", "3") as server:
         client, texts = openai_client(server), {}
 
@@ -127,7 +129,7 @@ def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path):
         assert "failed" not in server["log"].read_text()
         m = metrics(server)
     for i, p in enumerate(prompts):
-        assert texts[i] == model.decode(generate(model, p, drafter="mtp", draft_max=3, max_new_tokens=12).tokens)
+        assert texts[i] == model.decode(generate(model, p, drafter=drafter, draft_max=3, max_new_tokens=12).tokens)
     # every head forward went through the scheduler (runners/batched_head.py); whether two met is timing
     assert m["snapspec_batch_head_forwards_total"] > 0
     assert m["snapspec_batch_head_rows_total"] >= m["snapspec_batch_head_forwards_total"]

@@ -12,11 +12,11 @@ One generation, two sources:
   (extras.hidden), and before a lookup's draft is verified the head is told that the round is another source's
   (MtpDrafter.foreign): it keeps the verify's rows of the accepted tokens, as after a round of its own, and consumes
   them in one multi-row forward when it next drafts. While lookups keep finding drafts the head does not run.
-- Adaptive k (MixedChooser): one chooser per source, each updated by its own rounds only. Both read one cost model,
-  measured with the head (C(n), r, c = a head step); the lookup's copy has c = a lookup. When the lookup would find
-  a draft it is used only if its best predicted round (tokens per unit of time) beats the head's best; otherwise
-  the head drafts (the lookup's first token is still checked against the step's token, for its acceptance estimate:
-  LookupChooser.observe). The round is bounded by the larger of the two lengths, which the Pair checks for rollback.
+- Adaptive k (MixedChooser): one chooser per source, each updated by its own rounds only, both on one cost model
+  measured with the head (C(n), r, c = a head step; the lookup's copy has c = a lookup). The lookup's length is its
+  LookupChooser's, as with `--drafter ngram` (0 where no length is predicted to beat a plain step); the head's is its
+  DraftLengthChooser's, or 0 where its best round is not predicted to beat a plain step either. A step with neither
+  is a plain step. The round is bounded by the larger of the two lengths, which the Pair checks for rollback.
 
 Exactness is the round's: whichever source drafted, the verify and the acceptance rule are the same (a lookup's q
 rows are one-hot when sampling, the head's are its distribution), so output is plain decoding's when greedy and the
@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from ..adaptive import Costs, DraftLengthChooser, best_k, expected_emitted
+from ..adaptive import Costs, DraftLengthChooser, expected_emitted
 from .base import Draft, Drafter, Extras
 from .mtp import MtpDrafter
 from .ngram import LookupChooser, NgramDrafter
@@ -132,18 +132,12 @@ class MixedChooser:
         self.head.done()
 
     def choose(self) -> int:
+        k_lookup = self.lookup.choose()  # the lookup's own rule: 0 where no length beats a plain step
         k_head = self.head.choose()
-        if self.costs is None:
-            k_lookup = min(4, self.k_max)
-        else:
-            top = min(self.k_max, len(self.costs.C) - 1)
-            s = self.head.shared_by()
-            lc, hc = self.lookup.costs, self.head.costs
-            k_lookup = best_k(lc, self.lookup.acceptance, top, s)
-            lookup_rate = lc.predicted_speedup(k_lookup, expected_emitted(self.lookup.acceptance, k_lookup), sharing=s)
-            head_rate = hc.predicted_speedup(k_head, expected_emitted(self.head.acceptance, k_head), sharing=s)
-            if lookup_rate <= head_rate:
-                k_lookup = 0  # the head's round makes more; the lookup is still checked (LookupChooser.observe)
+        if self.costs is not None:
+            a, s = self.head.acceptance, self.head.shared_by()
+            if self.head.costs.predicted_speedup(k_head, expected_emitted(a, k_head), sharing=s) <= 1.0:
+                k_head = 0  # the head's round is not predicted to beat a plain step: take one
         self._lengths = (k_lookup, k_head)
         return max(self._lengths)
 
