@@ -96,9 +96,10 @@ def test_greedy_constrained_mtp_equals_plain(model, arch):
     plain = _run(t, grammar)
     _valid(t, plain)
     for k in range(1, 9):
-        g = _run(t, grammar, drafter="mtp", draft_max=k)
-        assert g.tokens == plain.tokens, k
-        assert g.stats.drafted > 0
+        for drafter in ("mtp", "ngram+mtp"):  # ngram+mtp: lookups (checked by the round) and head drafts (masked)
+            g = _run(t, grammar, drafter=drafter, draft_max=k)
+            assert g.tokens == plain.tokens, (k, drafter)
+            assert g.stats.drafted > 0
 
 
 def test_sampled_constrained_generation(model):

@@ -166,3 +166,24 @@ def test_batch_equals_alone(headed, arch):
             got = together(b, ps, draft_max=k, **kw)
         for i, p in enumerate(ps):
             assert got[i] == alone(t, p, "ngram+mtp", draft_max=k, **kw), (k, i)
+
+
+def test_chat_session_and_conformance(headed, tmp_path, capsys):
+    """A chat session with ngram+mtp keeps one drafter across turns (replies equal plain decoding's, the head holds
+    the conversation); `conformance --drafter ngram+mtp` passes its pair checks."""
+    from snapspec.cli.main import main
+    from snapspec.runtime import ChatSession
+
+    t = headed("qwen3_5_text", echo=True, init=0.05)
+    plain, mixed = ChatSession(t, raw=True), ChatSession(t, "ngram+mtp", raw=True)
+    for text in ("Hello there", "and again, hello there"):
+        a = "".join(plain.reply(text, max_new_tokens=16, stop_at_eos=False))
+        b = "".join(mixed.reply(text, max_new_tokens=16, stop_at_eos=False, draft_max=3))
+        assert a == b
+    assert mixed.drafter.mtp.head.n_past > 16 and mixed.last.stats.rounds > 0
+    capsys.readouterr()
+    out = tmp_path / "c.json"
+    assert main(["conformance", "--target", str(t.folder), "--drafter", "ngram+mtp", "--threads", "1",
+                 "--new-tokens", "12", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] and any(c["where"] == "pair" for c in report["checks"])
