@@ -253,3 +253,34 @@ def test_browser_wasm_kda(browser_ready, tiny_export, target, drafter):
     in onnxruntime-web's wasm backend: the same contract, with replay, ring and checkpoint rollback counted."""
     report = _check(tiny_export, target, drafter, "wasm")
     assert set(_rollbacks(report)) == {"target:replay", "drafter:ring", "checkpoint"}
+
+
+def test_browser_wasm_ngram(browser_ready, tiny_model, tmp_path):
+    """`--drafter ngram`: the page drafts by prompt lookup (web/ngram.js), no drafter model, on a model that repeats
+    tokens (lookups find drafts). Greedy speculation == plain for k = 1..8 and through checkpoints, sampled (top-k
+    1, one-hot q rows) too; every run looks up, drafts and accepts exactly what Python's NgramDrafter does (lookups
+    that find nothing are plain steps on both sides)."""
+    from snapspec.export import export
+
+    export(tiny_model("qwen3_5_text", initializer_range=0.05), tmp_path / "out", log=lambda *a: None)
+    report = browser_check.check(tmp_path / "out", "ngram", "wasm")
+    failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if not c["passed"]]
+    assert report["passed"] and not failed, failed
+    assert set(_rollbacks(report)) == {"target:replay", "checkpoint"}
+    lookups = next(c for c in report["checks"] if c["name"].startswith("n-gram drafts == Python"))
+    assert 0.1 < float(lookups["detail"].split("acceptance ")[-1]) < 1.0, lookups["detail"]
+    assert "n-gram lookup" in report["summary"]
+
+
+def test_server_ngram(tiny_export, vendor, capsys):
+    """--drafter ngram: the page is told to look drafts up (with the sizes given), no drafter files are served; bad
+    sizes are one line."""
+    with web.PageServer(tiny_export("qwen3"), "ngram", web_dir=vendor, ngram=(1, 3)) as server:
+        config = json.loads(_get(server.url + "config.json")[1])
+        assert config["draft"] == "ngram" and config["ngram"] == [1, 3] and set(config["models"]) == {"target"}
+        assert _get(server.url + "ngram.js")[0] == 200
+    capsys.readouterr()  # the export's progress, when this test made it
+    assert main(["web", "--target", str(tiny_export("qwen3")), "--drafter", "ngram", "--ngram-min", "5",
+                 "--ngram-max", "3", "--web-dir", str(vendor)]) == 2
+    err = capsys.readouterr().err
+    assert "ngram-min <= ngram-max" in err and err.count("\n") == 1, err

@@ -21,7 +21,7 @@ import numpy as np
 from snapspec import SnapspecError
 from snapspec.runtime.contract import PROMPTS, Check, rel_err
 
-from .options import MTP, web_drafter_arg
+from .options import MTP, NGRAM, web_drafter_arg
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/lib/chromium/chromium", "/usr/bin/chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--enable-unsafe-webgpu", "--disable-background-networking",
@@ -80,13 +80,14 @@ def _exact_law(target: dict, v: int) -> np.ndarray:
 def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: bool = False,
                prompts=PROMPTS) -> tuple[dict, dict]:
     """What the page runs (spec) and what its results are compared with (reference), from the Python runtime.
-    drafter: the loaded drafter model, "mtp" (the page drafts with the target's MTP head), or None."""
+    drafter: the loaded drafter model, "mtp" (the page drafts with the target's MTP head), "ngram" (prompt lookup in
+    the page), or None."""
     from snapspec.runtime import Generator, Policy
     from snapspec.runtime.sampling import SamplingParams, probs
 
     ids = [target.encode(p) for p in prompts]
     logits = {role: [Policy(m).open(m, len(x) + 1, role).forward(x).logits for x in ids]
-              for role, m in (("target", target), ("drafter", drafter)) if m is not None and m != MTP}
+              for role, m in (("target", target), ("drafter", drafter)) if m is not None and not isinstance(m, str)}
     plain = [Generator(target, x, max_new_tokens=new_tokens, stop_at_eos=False).run() for x in ids]
     # Every k on every prompt; with spread (SwiftShader, where a forward costs ~0.1 s), each k on one prompt.
     plan = [[k, "auto"] for k in ks] + [[min(3, max(ks)), "checkpoint"]]
@@ -113,9 +114,9 @@ def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: boo
     spec = {"prompts": list(prompts), "decode": plain, "newTokens": new_tokens, "rollbackJs": js,
             "runs": runs if drafter is not None else [], "window": window, "rollbackTokens": roll,
             "rollbackPrompt": n_prompt, "probs": prob_cases, "law": laws}
-    if drafter == MTP:  # the Python MtpDrafter's drafts, run for run: what the page's head must draft and accept
-        ref["mtp"] = [_python_mtp(target, ids[run[2]], run[0], run[1], new_tokens) if len(run) == 3 else None
-                      for run in runs]
+    if drafter in (MTP, NGRAM):  # the Python drafter's drafts, run for run: what the page's must draft and accept
+        ref["source"] = [_python_source(target, drafter, ids[run[2]], run[0], run[1], new_tokens)
+                         if len(run) == 3 else None for run in runs]
     ref.update({"ids": ids, "logits": logits, "plain": plain, "decoded": [target.decode(p) for p in plain],
            "probs": [probs(np.asarray(c["row"]), SamplingParams(c["params"]["temperature"], c["params"].get("topK", 0),
                                                                 c["params"].get("topP", 1.0))) for c in prob_cases],
@@ -123,13 +124,15 @@ def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: boo
     return spec, ref
 
 
-def _python_mtp(target, ids, k: int, rollback: str, new_tokens: int) -> dict:
-    """Greedy MTP speculation in the Python runtime (drafters/mtp.py): the tokens drafted and accepted, rounds."""
+def _python_source(target, drafter: str, ids, k: int, rollback: str, new_tokens: int) -> dict:
+    """Greedy speculation in the Python runtime (drafters/mtp.py, ngram.py): drafted, accepted, rounds (lookups)."""
     from snapspec.runtime import Generator
-    g = Generator(target, ids, drafter=MTP, draft_max=k, rollback=rollback, max_new_tokens=new_tokens,
+    g = Generator(target, ids, drafter=drafter, draft_max=k, rollback=rollback, max_new_tokens=new_tokens,
                   stop_at_eos=False)
     g.run()
-    return {"drafted": g.stats.drafted, "accepted": g.stats.accepted, "rounds": g.stats.rounds}
+    s = g.stats
+    lookups = {"lookups": s.lookups, "lookup_hits": s.lookup_hits} if drafter == NGRAM else {}
+    return {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds, **lookups}
 
 
 def _counters_add_up(s: dict) -> str:
@@ -190,17 +193,20 @@ def judge(result: dict, ref: dict, spec: dict, dtypes: dict[str, str]) -> list[C
                             "with top-k 1)", not bad,
                             "; ".join(bad[:3]) or f"{len(result['spec'])} runs, {rounds} rounds, counters consistent; "
                                                   f"rollbacks {counted}", data={"rollbacks": rollbacks}))
-    if ref.get("mtp"):
+    if ref.get("source"):
         bad, acc = [], [0, 0]
-        for run, want in zip(result["spec"], ref["mtp"]):
+        for run, want in zip(result["spec"], ref["source"]):
             if want is None:
                 continue
             got = {key: run["stats"][key] for key in want}
             acc = [acc[0] + got["accepted"], acc[1] + got["drafted"]]
             if got != want:
                 bad.append(f"k={run['k']} {run['rollback']} prompt {run['prompt']}: page {got}, Python {want}")
-        checks.append(Check("MTP head drafts == Python's MtpDrafter (drafted, accepted, rounds per run)", not bad,
-                            "; ".join(bad[:3]) or f"{sum(w is not None for w in ref['mtp'])} greedy runs equal; "
+        name = ("n-gram drafts == Python's NgramDrafter (drafted, accepted, rounds, lookups, hits per run)"
+                if "lookups" in next(w for w in ref["source"] if w) else
+                "MTP head drafts == Python's MtpDrafter (drafted, accepted, rounds per run)")
+        checks.append(Check(name, not bad,
+                            "; ".join(bad[:3]) or f"{sum(w is not None for w in ref['source'])} greedy runs equal; "
                                                   f"acceptance {acc[0] / max(acc[1], 1):.2f}"))
     a = result["self"]["acceptance"]
     checks.append(Check("drafter == target: acceptance 1.0", a == 1.0,
@@ -301,9 +307,9 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
           web_dir: Path | None = None, chromium: str | None = None, new_tokens: int = 24, ks=None,
           speed: int = 0, speed_k: int = 3, quick: bool | None = None) -> dict:
     """Run everything; return {"checks": [...], "passed": bool, "summary": str, ...}. drafter_dir: an exported
-    drafter folder, "mtp" (the target's own MTP head drafts in the page), or None. ks: the draft lengths checked
-    (default 1..4, and 1..8 for the MTP head). quick (default: on WebGPU): each k on one prompt, rollback at j = 0, 1,
-    W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
+    drafter folder, "mtp" (the target's own MTP head drafts in the page), "ngram" (prompt lookup), or None. ks: the
+    draft lengths checked (default 1..4; 1..8 for mtp and ngram). quick (default: on WebGPU): each k on one prompt,
+    rollback at j = 0, 1, W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
     from snapspec.runtime import load
     from snapspec.runtime.policy import window_of
 
@@ -317,10 +323,8 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     if drafter_dir == MTP:
         from snapspec.runtime.drafters.mtp_head import check_head
         check_head(target)
-        drafter = MTP
-    else:
-        drafter = load(drafter_dir, threads=1, spin=False, role="drafter") if drafter_dir else None
-    ks = ks or (tuple(range(1, 9)) if drafter == MTP else (1, 2, 3, 4))
+    drafter = drafter_dir if drafter_dir in (MTP, NGRAM, None) else load(drafter_dir, threads=1, role="drafter")
+    ks = ks or (tuple(range(1, 9)) if drafter in (MTP, NGRAM) else (1, 2, 3, 4))
     window = window_of(target)
     spec, ref = build_spec(target, drafter, new_tokens=new_tokens, ks=ks, window=window,
                            spread=ep == "webgpu" if quick is None else quick)
@@ -329,7 +333,7 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
                         speed_k=speed_k)
     result = page["result"]
     dtypes = {role: m.manifest.data["export"]["dtype"] for role, m in (("target", target), ("drafter", drafter))
-              if m is not None and m != MTP}
+              if m is not None and not isinstance(m, str)}
     checks = judge(result, ref, spec, dtypes)
     if page["page_errors"]:
         checks.append(Check("no uncaught errors in the page", False, "; ".join(page["page_errors"])[:300]))
@@ -337,7 +341,8 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     where = f"{ep} ({page['info']['device']}), Chromium {page['chromium']}, onnxruntime-web {page['ort_web']['web']}"
     n_ok = sum(c.passed for c in checks)
     lead = f"browser-check {'PASS' if passed else 'FAIL'} {n_ok}/{len(checks)} on {where}" \
-        + (", drafting with the target's MTP head" if drafter == MTP else "")
+        + (", drafting with the target's MTP head" if drafter == MTP else
+           ", drafting by n-gram lookup" if drafter == NGRAM else "")
     if passed:
         logits = next(c for c in checks if c.name.startswith("target logits"))
         pair = next((c for c in checks if c.name.startswith("greedy speculative")), None)
@@ -365,8 +370,8 @@ def add_parser(sub, runtime_flags):
                                              "(wasm, or WebGPU: SwiftShader on a machine without a GPU)")
     p.add_argument("--target", type=Path, required=True, help="exported folder to check in the browser")
     p.add_argument("--drafter", type=web_drafter_arg,
-                   help="exported drafter folder, or `mtp` (the target's own MTP head, k = 1..8): also check "
-                        "speculation in the page")
+                   help="exported drafter folder, `mtp` (the target's own MTP head, k = 1..8) or `ngram` (prompt "
+                        "lookup, k = 1..8): also check speculation in the page")
     p.add_argument("--ep", choices=["wasm", "webgpu"], default="wasm", help="onnxruntime-web backend (default wasm)")
     p.add_argument("--screenshot", type=Path, help="also save a PNG of the page mid-generation here")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per generation in the checks (default 24)")

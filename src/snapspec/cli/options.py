@@ -256,9 +256,10 @@ def drafter_arg(value: str):
 
 
 def web_drafter_arg(value: str):
-    """--drafter of the web page and browser-check: an exported drafter folder, or `mtp` (the target's own MTP head,
-    run in the page: web/mtp.js); a folder named mtp is ./mtp."""
-    return value if value == MTP else Path(value)
+    """--drafter of the web page and browser-check: an exported drafter folder, `mtp` (the target's own MTP head,
+    run in the page: web/mtp.js) or `ngram` (prompt lookup in the page: web/ngram.js); a folder named mtp is
+    ./mtp."""
+    return value if value in (MTP, NGRAM) else Path(value)
 
 
 def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, repeat: bool = False) -> None:
@@ -274,7 +275,8 @@ def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, rep
     p.add_argument("--ngram-min", type=at_least_one, default=None,
                    help=f"--drafter ngram (or ngram+mtp): shortest suffix looked up, in tokens (default {DEFAULT_MIN})")
     p.add_argument("--ngram-max", type=at_least_one, default=None,
-                   help=f"--drafter ngram (or ngram+mtp): longest suffix looked up, tried first (default {DEFAULT_MAX})")
+                   help=f"--drafter ngram (or ngram+mtp): longest suffix looked up, tried first "
+                        f"(default {DEFAULT_MAX})")
 
 
 def drafter_label(drafter) -> str:

@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 from snapspec import SnapspecError, cache_root, manifest
 
-from .options import MTP, web_drafter_arg
+from .options import MTP, NGRAM, at_least_one, web_drafter_arg
 
 ORT_VERSION = "1.30.0"
 ORT_FILES = ("ort.webgpu.bundle.min.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
@@ -34,7 +34,7 @@ _TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=
           ".mjs": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8",
           ".json": "application/json", ".wasm": "application/wasm", ".png": "image/png"}
 _PAGE_FILES = ("index.html", "style.css", "app.js", "vendor.js", "context.js", "generation.js", "drafting.js",
-               "mtp.js", "sampling.js", "checks.js")
+               "mtp.js", "ngram.js", "sampling.js", "checks.js")
 
 
 def page_dir() -> Path:
@@ -178,14 +178,17 @@ def check_head(folder: Path) -> None:
 
 class PageServer:
     """The page and its files on host:port (port 0: any free port), in a background thread until close().
-    drafter: an exported drafter folder, or "mtp": the page drafts with the target's own MTP head (web/mtp.js)."""
+    drafter: an exported drafter folder, "mtp": the page drafts with the target's own MTP head (web/mtp.js), or
+    "ngram": prompt lookup (web/ngram.js; ngram: its shortest and longest suffix)."""
 
     def __init__(self, target: Path, drafter: Path | str | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                 web_dir: Path | None = None):
+                 web_dir: Path | None = None, ngram: tuple[int, int] | None = None):
         draft = "model" if drafter is not None else None
         if drafter == MTP:
             check_head(target)
             drafter, draft = None, MTP
+        elif drafter == NGRAM:
+            drafter, draft = None, NGRAM
         vendor = vendor_dirs(web_dir)
         models = {"target": model_entry(target, "target")}
         if drafter is not None:
@@ -197,7 +200,8 @@ class PageServer:
             if folder is not None:
                 routes[f"models/{role}"] = (Path(folder), set(models[role]["files"]))
         config = json.dumps({"models": {role: {k: v for k, v in e.items() if k != "files"}
-                                        for role, e in models.items()}, "draft": draft}).encode()
+                                        for role, e in models.items()}, "draft": draft,
+                             **({"ngram": list(ngram)} if draft == NGRAM and ngram else {})}).encode()
         try:
             self.httpd = ThreadingHTTPServer((host, port), partial(_Handler, routes=routes, config=config))
         except OSError as exc:
@@ -229,8 +233,11 @@ def add_parser(sub, runtime_flags):
                                    "(WebGPU, or wasm without an adapter), with speculative decoding")
     p.add_argument("--target", type=Path, help="exported folder the page loads as the target")
     p.add_argument("--drafter", type=web_drafter_arg,
-                   help="exported drafter folder (same vocabulary), or `mtp`: the target's own MTP head (a folder "
-                        "exported with mtp.* weights; a folder named mtp: ./mtp): speculative decoding")
+                   help="exported drafter folder (same vocabulary), `mtp`: the target's own MTP head (a folder "
+                        "exported with mtp.* weights; a folder named mtp: ./mtp), or `ngram`: drafts copied from "
+                        "earlier in the sequence, no drafter model: speculative decoding")
+    p.add_argument("--ngram-min", type=at_least_one, default=None, help="--drafter ngram: shortest suffix (default 2)")
+    p.add_argument("--ngram-max", type=at_least_one, default=None, help="--drafter ngram: longest suffix (default 4)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--web-dir", type=Path, default=None,
@@ -239,14 +246,31 @@ def add_parser(sub, runtime_flags):
                    help="install onnxruntime-web and the tokenizer library into --web-dir with npm, then exit")
 
 
+def ngram_sizes(args) -> tuple[int, int] | None:
+    """--ngram-min / --ngram-max for --drafter ngram (checked here: the page would only fail later)."""
+    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, check_range
+
+    n_min, n_max = args.ngram_min, args.ngram_max
+    if args.drafter != NGRAM:
+        if n_min is not None or n_max is not None:
+            raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram only")
+        return None
+    n_min = n_min if n_min is not None else min(DEFAULT_MIN, n_max or DEFAULT_MIN)
+    n_max = n_max if n_max is not None else max(DEFAULT_MAX, n_min)
+    check_range(n_min, n_max)
+    return n_min, n_max
+
+
 def run(args) -> int:
     if args.install:
         install(args.web_dir, log=print)
         return 0
     if args.target is None:
         raise SnapspecError("web: give --target FOLDER (an exported folder), or --install")
-    server = PageServer(args.target, args.drafter, host=args.host, port=args.port, web_dir=args.web_dir)
-    drafter = " + its MTP head" if args.drafter == MTP else f" + {args.drafter}" if args.drafter else ""
+    server = PageServer(args.target, args.drafter, host=args.host, port=args.port, web_dir=args.web_dir,
+                        ngram=ngram_sizes(args))
+    drafter = " + its MTP head" if args.drafter == MTP else " + n-gram lookup" if args.drafter == NGRAM \
+        else f" + {args.drafter}" if args.drafter else ""
     print(f"snapspec web: serving {args.target}{drafter}"
           + f" on {server.url} (Ctrl-C stops)", flush=True)
     try:

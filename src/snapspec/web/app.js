@@ -6,6 +6,7 @@ import { ort } from './vendor.js';
 import { fetchJson, loadModel } from './context.js';
 import { Generator } from './generation.js';
 import { loadHead } from './mtp.js';
+import { Lookup } from './ngram.js';
 import { SamplingParams } from './sampling.js';
 import { runChecks } from './checks.js';
 
@@ -53,11 +54,14 @@ async function start() {
   if (params.get('threads')) ort.env.wasm.numThreads = Number(params.get('threads'));
   const load = (role) => (config.models[role] ? loadModel({ ...config.models[role] }, ep, { onProgress: status }) : null);
   const target = await load('target');
-  // config.draft === 'mtp' (`snapspec web --drafter mtp`): draft with the target's own MTP head (mtp.js).
-  const drafter = config.draft === 'mtp' ? await loadHead(target, { onProgress: status }) : await load('drafter');
+  // config.draft === 'mtp' (`snapspec web --drafter mtp`): draft with the target's own MTP head (mtp.js); 'ngram':
+  // prompt lookup (ngram.js, config.ngram = [shortest, longest] suffix), no model.
+  const drafter = config.draft === 'mtp' ? await loadHead(target, { onProgress: status })
+    : config.draft === 'ngram' ? new Lookup(...(config.ngram || [])) : await load('drafter');
   const describe = (m) => `${m.name} (${m.manifest.model.model_type}, ${m.manifest.export.dtype}${m.manifest.export.quant !== 'none' ? ' ' + m.manifest.export.quant : ''})`;
   const drafterText = !drafter ? ' · no drafter (plain decoding)'
-    : drafter.isHead ? ` · drafter: the target's MTP head (${drafter.graph.file})` : ` · drafter ${describe(drafter)}`;
+    : drafter.isHead ? ` · drafter: the target's MTP head (${drafter.graph.file})`
+      : drafter.isLookup ? ` · drafts: ${drafter.name}, no drafter model` : ` · drafter ${describe(drafter)}`;
   $('models').textContent = `target ${describe(target)}` + drafterText
     + ` · onnxruntime-web ${ort.env.versions.web} on ${ep === 'wasm' ? `wasm, ${ort.env.wasm.numThreads} thread(s)` : device}`
     + (why ? ` (wasm: ${why})` : '');
@@ -95,7 +99,8 @@ async function generate(app) {
   });
   running = { stop: false, gen };
   $('go').textContent = 'Stop';
-  status(drafter ? `generating: speculative${drafter.isHead ? ' (MTP head)' : ''}, k = ${k}` : 'generating: plain decoding');
+  const how = drafter && (drafter.isHead ? ' (MTP head)' : drafter.isLookup ? ' (n-gram lookup)' : '');
+  status(drafter ? `generating: speculative${how}, k = ${k}` : 'generating: plain decoding');
   let painted = performance.now();
   try {
     for await (const _ of gen) {

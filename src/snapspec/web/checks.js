@@ -28,7 +28,8 @@ function counters(g) {
   const s = g.stats;
   return {
     rounds: s.rounds, drafted: s.drafted, accepted: s.accepted, emitted: s.emitted, new_tokens: s.newTokens,
-    target_forwards: s.targetForwards, drafter_forwards: s.drafterForwards, rollbacks: s.rollbacks,
+    target_forwards: s.targetForwards, drafter_forwards: s.drafterForwards, lookups: s.lookups,
+    lookup_hits: s.lookupHits, rollbacks: s.rollbacks,
     draft_lengths: s.draftLengths,
   };
 }
@@ -110,7 +111,7 @@ function samplingLaw({ target, drafter, k, n, seed }) {
 export async function runChecks(app, spec) {
   const { target } = app;
   const drafter = app.drafter || target;
-  const model = app.drafter && !app.drafter.isHead ? app.drafter : null; // a drafter model (not the MTP head)
+  const model = app.drafter && !app.drafter.isHead && !app.drafter.isLookup ? app.drafter : null; // a drafter model
   const seconds = {};
   const timed = async (name, fn) => {
     const t = performance.now();

@@ -1,22 +1,24 @@
 // Plain and speculative generation over contexts: runtime/generation.py's loop, round for round.
 //
-// A speculative round drafts k tokens from a draft source (drafting.js: a drafter model, or the target's MTP head in
-// mtp.js), verifies [t0, d1..dk] in one target forward, accepts a prefix, emits it plus one target token, and rolls
-// the target and the source back to the accepted position (replay for the target, ring slots for a drafter model,
-// truncation for KV and the head). A round that bounded rollback cannot serve (a draft longer than the window, a
-// target without a replay graph, or rollback forced to checkpoint) keeps the state from before drafting, restores it
+// A speculative round drafts k tokens from a draft source (drafting.js: a drafter model; the target's MTP head in
+// mtp.js; prompt lookup in ngram.js, which may find fewer or none: then the step is a plain one), verifies
+// [t0, d1..dk] in one target forward, accepts a prefix, emits it plus one target token, and rolls the target and the
+// source back to the accepted position (replay for the target, ring slots for a drafter model, truncation for KV and
+// the head). A round that bounded rollback cannot serve (a draft longer than the window, a target without a replay
+// graph, or rollback forced to checkpoint) keeps the state from before drafting, restores it
 // after, and lets the next forward re-decode the accepted tokens. Counters count every round.
 
 import { Context, defaultMode } from './context.js';
 import { ModelDraft } from './drafting.js';
 import { MtpDraft } from './mtp.js';
+import { NgramDraft } from './ngram.js';
 import { SamplingParams, Rng, accept, checkFinite, pick } from './sampling.js';
 
 export class Stats {
   constructor(promptTokens) {
     Object.assign(this, {
       promptTokens, newTokens: 0, rounds: 0, drafted: 0, accepted: 0, emitted: 0, targetForwards: 0,
-      drafterForwards: 0, rollbacks: {}, draftLengths: {}, seconds: {},
+      drafterForwards: 0, lookups: 0, lookupHits: 0, rollbacks: {}, draftLengths: {}, seconds: {},
     });
   }
 
@@ -71,17 +73,19 @@ export class Generator {
     let ctxLen = context || target.maxContext;
     if (drafter) {
       if (drafter.isHead && drafter.target !== target) throw new Error(`${drafter.name} is not ${target.name}'s head`);
-      if (!drafter.isHead) checkPair(target, drafter);
-      ctxLen = Math.min(ctxLen, drafter.maxContext);
+      if (!drafter.isHead && !drafter.isLookup) checkPair(target, drafter);
+      if (!drafter.isLookup) ctxLen = Math.min(ctxLen, drafter.maxContext);
       if (!(draftMax >= 1)) throw new Error(`draft length must be >= 1 (got ${draftMax})`);
     }
     if (this.prompt.length >= ctxLen) throw new Error(`prompt of ${this.prompt.length} tokens does not fit the context of ${ctxLen}`);
     this.draftMax = draftMax;
     this.rollback = rollback;
     this.tctx = new Context(target, { maxLen: ctxLen, mode: defaultMode(target), window: this.window });
-    // drafter: a drafter Model, or the target's MTP Head (mtp.js): either way one draft source for the round.
-    const Source = drafter && drafter.isHead ? MtpDraft : ModelDraft;
-    this.source = drafter ? new Source(drafter, { maxLen: ctxLen, window: this.window, stats: this.stats, sampling, rng: this.rng }) : null;
+    // drafter: a drafter Model, the target's MTP Head (mtp.js) or a Lookup (ngram.js): one draft source for the round.
+    const Source = !drafter ? null : drafter.isLookup ? NgramDraft : drafter.isHead ? MtpDraft : ModelDraft;
+    this.source = drafter ? new Source(drafter, {
+      maxLen: ctxLen, window: this.window, stats: this.stats, sampling, rng: this.rng, vocabSize: target.vocabSize,
+    }) : null;
     this.tctx.hidden = !!(this.source && this.source.wantsHidden);
     if (this.source && this.tctx.nSlots) this.window = Math.min(this.window, this.tctx.depth);
     this.ctxLen = ctxLen;
@@ -155,7 +159,7 @@ export class Generator {
   }
 
   async _round() {
-    const k = this._draftLength();
+    let k = this._draftLength();
     if (k === 0) return this._plainStep();
     const { stats: st, tctx, source } = this;
     const n = this.seq.length; // the last accepted token t0 = seq[n-1] is consumed by neither the target nor the source
@@ -175,6 +179,8 @@ export class Generator {
     }
     let draft, q;
     await st.timed('draft', async () => { ({ tokens: draft, q } = await source.propose(this.seq, k)); });
+    if (!draft.length) return this._plainStep(); // a lookup that found nothing: a checkpoint taken is not needed
+    k = draft.length; // a lookup may find fewer than asked
     let rows;
     await st.timed('verify', async () => {
       const all = await tctx.forward(this.seq.slice(tctx.nPast).concat(draft));
