@@ -284,3 +284,14 @@ def test_server_ngram(tiny_export, vendor, capsys):
                  "--ngram-max", "3", "--web-dir", str(vendor)]) == 2
     err = capsys.readouterr().err
     assert "ngram-min <= ngram-max" in err and err.count("\n") == 1, err
+
+
+def test_browser_wasm_ngram_then_mtp(browser_ready, mtp_export):
+    """`--drafter ngram+mtp`: lookups where they find a draft, the MTP head elsewhere (its rows kept through the
+    lookups' verifies). Greedy speculation == plain, k = 1..8 and through checkpoints; every run looks up, drafts,
+    accepts and rounds exactly as Python's NgramMtpDrafter does, with rounds from both sources."""
+    report = browser_check.check(mtp_export, "ngram+mtp", "wasm")
+    failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if not c["passed"]]
+    assert report["passed"] and not failed, failed
+    assert {"target:replay", "checkpoint"} <= set(_rollbacks(report))
+    assert "n-gram lookup, else the MTP head" in report["summary"]

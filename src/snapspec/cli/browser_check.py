@@ -21,7 +21,7 @@ import numpy as np
 from snapspec import SnapspecError
 from snapspec.runtime.contract import PROMPTS, Check, rel_err
 
-from .options import MTP, NGRAM, web_drafter_arg
+from .options import KEYWORDS, MTP, NGRAM, NGRAM_MTP, web_drafter_arg
 
 CHROMIUM = ("/usr/bin/chromium", "/usr/lib/chromium/chromium", "/usr/bin/chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--enable-unsafe-webgpu", "--disable-background-networking",
@@ -29,6 +29,7 @@ FLAGS = ["--headless", "--no-sandbox", "--enable-unsafe-webgpu", "--disable-back
 # Logits relative to their scale, browser vs onnxruntime CPU. Measured (docs/browser.md): fp32 wasm and
 # SwiftShader WebGPU agree to ~1e-6 on the tiny models; int4 matmuls accumulate in another order (~1e-5).
 TOL = {"float32": 1e-4, "float16": 3e-2}
+HOW = {MTP: "with the target's MTP head", NGRAM: "by n-gram lookup", NGRAM_MTP: "by n-gram lookup, else the MTP head"}
 INSTALL = {
     "playwright": 'pip install "snapspec[web]" (playwright\'s Python package; no browser download is needed)',
     "chromium": "apt-get install chromium (Debian/Ubuntu), or pass --chromium PATH",
@@ -114,7 +115,7 @@ def build_spec(target, drafter, *, new_tokens: int, ks, window: int, spread: boo
     spec = {"prompts": list(prompts), "decode": plain, "newTokens": new_tokens, "rollbackJs": js,
             "runs": runs if drafter is not None else [], "window": window, "rollbackTokens": roll,
             "rollbackPrompt": n_prompt, "probs": prob_cases, "law": laws}
-    if drafter in (MTP, NGRAM):  # the Python drafter's drafts, run for run: what the page's must draft and accept
+    if drafter in KEYWORDS:  # the Python drafter's drafts, run for run: what the page's must draft and accept
         ref["source"] = [_python_source(target, drafter, ids[run[2]], run[0], run[1], new_tokens)
                          if len(run) == 3 else None for run in runs]
     ref.update({"ids": ids, "logits": logits, "plain": plain, "decoded": [target.decode(p) for p in plain],
@@ -131,7 +132,7 @@ def _python_source(target, drafter: str, ids, k: int, rollback: str, new_tokens:
                   stop_at_eos=False)
     g.run()
     s = g.stats
-    lookups = {"lookups": s.lookups, "lookup_hits": s.lookup_hits} if drafter == NGRAM else {}
+    lookups = {"lookups": s.lookups, "lookup_hits": s.lookup_hits} if NGRAM in drafter else {}
     return {"drafted": s.drafted, "accepted": s.accepted, "rounds": s.rounds, **lookups}
 
 
@@ -307,9 +308,9 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
           web_dir: Path | None = None, chromium: str | None = None, new_tokens: int = 24, ks=None,
           speed: int = 0, speed_k: int = 3, quick: bool | None = None) -> dict:
     """Run everything; return {"checks": [...], "passed": bool, "summary": str, ...}. drafter_dir: an exported
-    drafter folder, "mtp" (the target's own MTP head drafts in the page), "ngram" (prompt lookup), or None. ks: the
-    draft lengths checked (default 1..4; 1..8 for mtp and ngram). quick (default: on WebGPU): each k on one prompt,
-    rollback at j = 0, 1, W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
+    drafter folder, "mtp" (the target's own MTP head drafts in the page), "ngram" (prompt lookup), "ngram+mtp", or
+    None. ks: the draft lengths checked (default 1..4; 1..8 for the three words). quick (default: on WebGPU): each
+    k on one prompt, rollback at j = 0, 1, W/2, W: for slow backends (SwiftShader, int4 on wasm)."""
     from snapspec.runtime import load
     from snapspec.runtime.policy import window_of
 
@@ -320,11 +321,11 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     vendor_dirs(web_dir)
     t0 = time.perf_counter()
     target = load(target_dir, threads=1)
-    if drafter_dir == MTP:
+    if drafter_dir in (MTP, NGRAM_MTP):
         from snapspec.runtime.drafters.mtp_head import check_head
         check_head(target)
-    drafter = drafter_dir if drafter_dir in (MTP, NGRAM, None) else load(drafter_dir, threads=1, role="drafter")
-    ks = ks or (tuple(range(1, 9)) if drafter in (MTP, NGRAM) else (1, 2, 3, 4))
+    drafter = drafter_dir if drafter_dir in (*KEYWORDS, None) else load(drafter_dir, threads=1, role="drafter")
+    ks = ks or (tuple(range(1, 9)) if drafter in KEYWORDS else (1, 2, 3, 4))
     window = window_of(target)
     spec, ref = build_spec(target, drafter, new_tokens=new_tokens, ks=ks, window=window,
                            spread=ep == "webgpu" if quick is None else quick)
@@ -341,8 +342,7 @@ def check(target_dir: Path, drafter_dir: Path | None, ep: str, *, screenshot: Pa
     where = f"{ep} ({page['info']['device']}), Chromium {page['chromium']}, onnxruntime-web {page['ort_web']['web']}"
     n_ok = sum(c.passed for c in checks)
     lead = f"browser-check {'PASS' if passed else 'FAIL'} {n_ok}/{len(checks)} on {where}" \
-        + (", drafting with the target's MTP head" if drafter == MTP else
-           ", drafting by n-gram lookup" if drafter == NGRAM else "")
+        + (f", drafting {HOW[drafter]}" if drafter in KEYWORDS else "")
     if passed:
         logits = next(c for c in checks if c.name.startswith("target logits"))
         pair = next((c for c in checks if c.name.startswith("greedy speculative")), None)
@@ -370,8 +370,8 @@ def add_parser(sub, runtime_flags):
                                              "(wasm, or WebGPU: SwiftShader on a machine without a GPU)")
     p.add_argument("--target", type=Path, required=True, help="exported folder to check in the browser")
     p.add_argument("--drafter", type=web_drafter_arg,
-                   help="exported drafter folder, `mtp` (the target's own MTP head, k = 1..8) or `ngram` (prompt "
-                        "lookup, k = 1..8): also check speculation in the page")
+                   help="exported drafter folder, `mtp` (the target's own MTP head), `ngram` (prompt lookup) or "
+                        "`ngram+mtp` (both; k = 1..8 for these three): also check speculation in the page")
     p.add_argument("--ep", choices=["wasm", "webgpu"], default="wasm", help="onnxruntime-web backend (default wasm)")
     p.add_argument("--screenshot", type=Path, help="also save a PNG of the page mid-generation here")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens per generation in the checks (default 24)")

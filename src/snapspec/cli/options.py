@@ -257,9 +257,9 @@ def drafter_arg(value: str):
 
 def web_drafter_arg(value: str):
     """--drafter of the web page and browser-check: an exported drafter folder, `mtp` (the target's own MTP head,
-    run in the page: web/mtp.js) or `ngram` (prompt lookup in the page: web/ngram.js); a folder named mtp is
-    ./mtp."""
-    return value if value in (MTP, NGRAM) else Path(value)
+    run in the page: web/mtp.js), `ngram` (prompt lookup in the page: web/ngram.js) or `ngram+mtp` (both); a folder
+    named mtp is ./mtp."""
+    return value if value in KEYWORDS else Path(value)
 
 
 def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, repeat: bool = False) -> None:

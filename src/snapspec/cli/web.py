@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 from snapspec import SnapspecError, cache_root, manifest
 
-from .options import MTP, NGRAM, at_least_one, web_drafter_arg
+from .options import MTP, NGRAM, NGRAM_MTP, at_least_one, web_drafter_arg
 
 ORT_VERSION = "1.30.0"
 ORT_FILES = ("ort.webgpu.bundle.min.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
@@ -178,17 +178,16 @@ def check_head(folder: Path) -> None:
 
 class PageServer:
     """The page and its files on host:port (port 0: any free port), in a background thread until close().
-    drafter: an exported drafter folder, "mtp": the page drafts with the target's own MTP head (web/mtp.js), or
-    "ngram": prompt lookup (web/ngram.js; ngram: its shortest and longest suffix)."""
+    drafter: an exported drafter folder, "mtp": the page drafts with the target's own MTP head (web/mtp.js),
+    "ngram": prompt lookup (web/ngram.js; ngram: its shortest and longest suffix), or "ngram+mtp": both."""
 
     def __init__(self, target: Path, drafter: Path | str | None = None, *, host: str = "127.0.0.1", port: int = 0,
                  web_dir: Path | None = None, ngram: tuple[int, int] | None = None):
         draft = "model" if drafter is not None else None
-        if drafter == MTP:
+        if drafter in (MTP, NGRAM_MTP):
             check_head(target)
-            drafter, draft = None, MTP
-        elif drafter == NGRAM:
-            drafter, draft = None, NGRAM
+        if drafter in (MTP, NGRAM, NGRAM_MTP):
+            drafter, draft = None, drafter
         vendor = vendor_dirs(web_dir)
         models = {"target": model_entry(target, "target")}
         if drafter is not None:
@@ -201,7 +200,7 @@ class PageServer:
                 routes[f"models/{role}"] = (Path(folder), set(models[role]["files"]))
         config = json.dumps({"models": {role: {k: v for k, v in e.items() if k != "files"}
                                         for role, e in models.items()}, "draft": draft,
-                             **({"ngram": list(ngram)} if draft == NGRAM and ngram else {})}).encode()
+                             **({"ngram": list(ngram)} if draft in (NGRAM, NGRAM_MTP) and ngram else {})}).encode()
         try:
             self.httpd = ThreadingHTTPServer((host, port), partial(_Handler, routes=routes, config=config))
         except OSError as exc:
@@ -234,8 +233,8 @@ def add_parser(sub, runtime_flags):
     p.add_argument("--target", type=Path, help="exported folder the page loads as the target")
     p.add_argument("--drafter", type=web_drafter_arg,
                    help="exported drafter folder (same vocabulary), `mtp`: the target's own MTP head (a folder "
-                        "exported with mtp.* weights; a folder named mtp: ./mtp), or `ngram`: drafts copied from "
-                        "earlier in the sequence, no drafter model: speculative decoding")
+                        "exported with mtp.* weights; a folder named mtp: ./mtp), `ngram`: drafts copied from "
+                        "earlier in the sequence, no drafter model, or `ngram+mtp`: both: speculative decoding")
     p.add_argument("--ngram-min", type=at_least_one, default=None, help="--drafter ngram: shortest suffix (default 2)")
     p.add_argument("--ngram-max", type=at_least_one, default=None, help="--drafter ngram: longest suffix (default 4)")
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
@@ -251,9 +250,9 @@ def ngram_sizes(args) -> tuple[int, int] | None:
     from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, check_range
 
     n_min, n_max = args.ngram_min, args.ngram_max
-    if args.drafter != NGRAM:
+    if args.drafter not in (NGRAM, NGRAM_MTP):
         if n_min is not None or n_max is not None:
-            raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram only")
+            raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram (or ngram+mtp) only")
         return None
     n_min = n_min if n_min is not None else min(DEFAULT_MIN, n_max or DEFAULT_MIN)
     n_max = n_max if n_max is not None else max(DEFAULT_MAX, n_min)
@@ -269,8 +268,8 @@ def run(args) -> int:
         raise SnapspecError("web: give --target FOLDER (an exported folder), or --install")
     server = PageServer(args.target, args.drafter, host=args.host, port=args.port, web_dir=args.web_dir,
                         ngram=ngram_sizes(args))
-    drafter = " + its MTP head" if args.drafter == MTP else " + n-gram lookup" if args.drafter == NGRAM \
-        else f" + {args.drafter}" if args.drafter else ""
+    drafter = {MTP: " + its MTP head", NGRAM: " + n-gram lookup", NGRAM_MTP: " + n-gram lookup, else its MTP head"}.get(
+        str(args.drafter), f" + {args.drafter}" if args.drafter else "")
     print(f"snapspec web: serving {args.target}{drafter}"
           + f" on {server.url} (Ctrl-C stops)", flush=True)
     try:

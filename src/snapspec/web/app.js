@@ -5,7 +5,7 @@
 import { ort } from './vendor.js';
 import { fetchJson, loadModel } from './context.js';
 import { Generator } from './generation.js';
-import { loadHead } from './mtp.js';
+import { LookupThenHead, loadHead } from './mtp.js';
 import { Lookup } from './ngram.js';
 import { SamplingParams } from './sampling.js';
 import { runChecks } from './checks.js';
@@ -56,12 +56,15 @@ async function start() {
   const target = await load('target');
   // config.draft === 'mtp' (`snapspec web --drafter mtp`): draft with the target's own MTP head (mtp.js); 'ngram':
   // prompt lookup (ngram.js, config.ngram = [shortest, longest] suffix), no model.
-  const drafter = config.draft === 'mtp' ? await loadHead(target, { onProgress: status })
-    : config.draft === 'ngram' ? new Lookup(...(config.ngram || [])) : await load('drafter');
+  // 'ngram+mtp': the lookup's draft where it finds one, the head's elsewhere.
+  const head = ['mtp', 'ngram+mtp'].includes(config.draft) ? await loadHead(target, { onProgress: status }) : null;
+  const lookup = ['ngram', 'ngram+mtp'].includes(config.draft) ? new Lookup(...(config.ngram || [])) : null;
+  const drafter = head && lookup ? new LookupThenHead(lookup, head) : head || lookup || await load('drafter');
   const describe = (m) => `${m.name} (${m.manifest.model.model_type}, ${m.manifest.export.dtype}${m.manifest.export.quant !== 'none' ? ' ' + m.manifest.export.quant : ''})`;
   const drafterText = !drafter ? ' · no drafter (plain decoding)'
     : drafter.isHead ? ` · drafter: the target's MTP head (${drafter.graph.file})`
-      : drafter.isLookup ? ` · drafts: ${drafter.name}, no drafter model` : ` · drafter ${describe(drafter)}`;
+      : drafter.isLookup || drafter.isMixed ? ` · drafts: ${drafter.name}, no drafter model`
+        : ` · drafter ${describe(drafter)}`;
   $('models').textContent = `target ${describe(target)}` + drafterText
     + ` · onnxruntime-web ${ort.env.versions.web} on ${ep === 'wasm' ? `wasm, ${ort.env.wasm.numThreads} thread(s)` : device}`
     + (why ? ` (wasm: ${why})` : '');
@@ -99,7 +102,8 @@ async function generate(app) {
   });
   running = { stop: false, gen };
   $('go').textContent = 'Stop';
-  const how = drafter && (drafter.isHead ? ' (MTP head)' : drafter.isLookup ? ' (n-gram lookup)' : '');
+  const how = drafter && (drafter.isHead ? ' (MTP head)' : drafter.isLookup ? ' (n-gram lookup)'
+    : drafter.isMixed ? ' (n-gram lookup, else the MTP head)' : '');
   status(drafter ? `generating: speculative${how}, k = ${k}` : 'generating: plain decoding');
   let painted = performance.now();
   try {

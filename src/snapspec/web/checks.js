@@ -111,7 +111,7 @@ function samplingLaw({ target, drafter, k, n, seed }) {
 export async function runChecks(app, spec) {
   const { target } = app;
   const drafter = app.drafter || target;
-  const model = app.drafter && !app.drafter.isHead && !app.drafter.isLookup ? app.drafter : null; // a drafter model
+  const model = app.drafter && !(app.drafter.isHead || app.drafter.isLookup || app.drafter.isMixed) ? app.drafter : null;
   const seconds = {};
   const timed = async (name, fn) => {
     const t = performance.now();

@@ -10,7 +10,7 @@
 
 import { Context, defaultMode } from './context.js';
 import { ModelDraft } from './drafting.js';
-import { MtpDraft } from './mtp.js';
+import { MtpDraft, NgramMtpDraft } from './mtp.js';
 import { NgramDraft } from './ngram.js';
 import { SamplingParams, Rng, accept, checkFinite, pick } from './sampling.js';
 
@@ -72,8 +72,8 @@ export class Generator {
     this.warnings = [];
     let ctxLen = context || target.maxContext;
     if (drafter) {
-      if (drafter.isHead && drafter.target !== target) throw new Error(`${drafter.name} is not ${target.name}'s head`);
-      if (!drafter.isHead && !drafter.isLookup) checkPair(target, drafter);
+      if ((drafter.isHead || drafter.isMixed) && drafter.target !== target) throw new Error(`${drafter.name} is not ${target.name}'s head`);
+      if (!drafter.isHead && !drafter.isLookup && !drafter.isMixed) checkPair(target, drafter);
       if (!drafter.isLookup) ctxLen = Math.min(ctxLen, drafter.maxContext);
       if (!(draftMax >= 1)) throw new Error(`draft length must be >= 1 (got ${draftMax})`);
     }
@@ -81,8 +81,10 @@ export class Generator {
     this.draftMax = draftMax;
     this.rollback = rollback;
     this.tctx = new Context(target, { maxLen: ctxLen, mode: defaultMode(target), window: this.window });
-    // drafter: a drafter Model, the target's MTP Head (mtp.js) or a Lookup (ngram.js): one draft source for the round.
-    const Source = !drafter ? null : drafter.isLookup ? NgramDraft : drafter.isHead ? MtpDraft : ModelDraft;
+    // drafter: a drafter Model, the target's MTP Head or a LookupThenHead (mtp.js), a Lookup (ngram.js): one draft
+    // source for the round.
+    const Source = !drafter ? null : drafter.isMixed ? NgramMtpDraft : drafter.isLookup ? NgramDraft
+      : drafter.isHead ? MtpDraft : ModelDraft;
     this.source = drafter ? new Source(drafter, {
       maxLen: ctxLen, window: this.window, stats: this.stats, sampling, rng: this.rng, vocabSize: target.vocabSize,
     }) : null;

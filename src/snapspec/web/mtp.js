@@ -14,6 +14,7 @@
 
 import { ort } from './vendor.js';
 import { WEBGPU_CHUNK, hostFloats, openGraph, splitRows, zeros } from './context.js';
+import { NgramDraft } from './ngram.js';
 import { checkFinite, pick } from './sampling.js';
 
 // Head rows per forward while catching up on a prompt (wasm). onnxruntime-web takes no overridable initializer as an
@@ -196,4 +197,46 @@ export class MtpDraft {
     }
     return row;
   }
+}
+
+// `--drafter ngram+mtp` (runtime/drafters/ngram_mtp.py): a lookup's draft where it finds one, the target's MTP head's
+// elsewhere. The head (MtpDraft above) follows every verify whoever drafted: its accepted() keeps the verify's rows
+// of the committed tokens by position, and its next draft consumes them in one catch-up forward.
+export class LookupThenHead {
+  constructor(lookup, head) {
+    Object.assign(this, { isMixed: true, lookup, head, target: head.target, maxContext: head.maxContext });
+    this.name = `${lookup.name}, else ${head.name}`;
+  }
+}
+
+export class NgramMtpDraft {
+  constructor(mixed, opts) {
+    this.lookup = new NgramDraft(mixed.lookup, opts);
+    this.head = new MtpDraft(mixed.head, opts);
+    this.wantsHidden = true;
+  }
+
+  get nSlots() { return 0; }
+
+  async start(prompt, prefill) {
+    await this.lookup.start(prompt);
+    await this.head.start(prompt, prefill);
+  }
+
+  async catchUp() {}
+
+  checkpoint() {}
+
+  restore() {}
+
+  async propose(seq, k) {
+    const draft = await this.lookup.propose(seq, k);
+    return draft.tokens.length ? draft : this.head.propose(seq, k);
+  }
+
+  async accepted(n, k, j, verify, bounded) { return this.head.accepted(n, k, j, verify, bounded); }
+
+  observe(rows, end) { this.head.observe(rows, end); }
+
+  dispose() { this.head.dispose(); }
 }
