@@ -163,11 +163,10 @@ class SubsetHead(FakeHead):
         return HeadRows(z.argmax(-1), z if logits else None, rows.hidden)
 
 
-@pytest.mark.parametrize("head", [FakeHead, SubsetHead])
-def test_sampled_law_with_mtp_drafts(head):
-    """Synthetic target conditionals over 5 tokens (test_sampling.py); drafts sampled from a fake head's law, with
-    its q rows (also from a head that can draft only 3 of the 5 tokens). The first two emitted tokens follow the
-    target's joint law (5 sigma per cell)."""
+def check_emitted_pair_law(drafter, prompt: list[int], k: int, seed: int, n: int = 4000, each_round=None) -> None:
+    """Sampled speculation with `drafter` (sizes of k, its q rows) over synthetic target conditionals on 5 tokens
+    (test_sampling.py), n times from `prompt` plus a random token: the first two emitted tokens follow the target's
+    joint law (5 sigma per cell). each_round(drafter, draft) sees every draft."""
     from test_sampling import V
     from test_sampling import _logits as _uncached
 
@@ -181,23 +180,22 @@ def test_sampled_law_with_mtp_drafts(head):
             memo[key] = _uncached(0, prefix)
         return memo[key]
 
-    params, k = SamplingParams(temperature=1.0, top_k=4, seed=0), 2
-    rng = np.random.default_rng(321)
-    prompt = [0, 1, 2, 3]
-    drafter = MtpDrafter(head=head(V))
-    n = 4000
+    params = SamplingParams(temperature=1.0, top_k=4, seed=0)
+    rng = np.random.default_rng(seed)
     counts = np.zeros((V, V))
     for _ in range(n):
-        drafter.start(prompt, sampling=params, rng=rng, stats=Stats(), prefill=rows_of(prompt, 0, 3))
-        out = [int(rng.integers(V))]  # the prompt's first token; the law is checked on the next two
-        seq = prompt + out
+        drafter.start(prompt, sampling=params, rng=rng, stats=Stats(), prefill=rows_of(prompt, 0, len(prompt) - 1))
+        seq = prompt + [int(rng.integers(V))]  # the prompt's last token; the law is checked on the next two
         emitted: list[int] = []
         while len(emitted) < 2:
             draft = drafter.propose(seq, k)
-            assert len(draft.q) == k
-            rows = np.stack([_logits(emitted + draft.tokens[:i]) for i in range(k + 1)])
+            assert draft.n >= 1 and len(draft.q) == draft.n
+            if each_round is not None:
+                each_round(drafter, draft)
+            m = draft.n
+            rows = np.stack([_logits(emitted + draft.tokens[:i]) for i in range(m + 1)])
             j, nxt = accept(draft.tokens, draft.q, rows, params, rng)
-            drafter.accepted(j, rows_of(seq + draft.tokens, len(seq) - 1, len(seq) + k - 1))
+            drafter.accepted(j, rows_of(seq + draft.tokens, len(seq) - 1, len(seq) + m - 1))
             emitted += draft.tokens[:j] + [nxt]
             seq += draft.tokens[:j] + [nxt]
         counts[emitted[0], emitted[1]] += 1
@@ -206,6 +204,18 @@ def test_sampled_law_with_mtp_drafts(head):
     sigma = np.sqrt(exact * (1 - exact) / n)
     assert np.all(np.abs(counts / n - exact) <= 5 * sigma + 1e-9), np.max(np.abs(counts / n - exact) / sigma)
     assert np.all(counts[exact == 0] == 0)
+
+
+@pytest.mark.parametrize("head", [FakeHead, SubsetHead])
+def test_sampled_law_with_mtp_drafts(head):
+    """Drafts sampled from a fake head's law, with its q rows (also from a head that can draft only 3 of the 5
+    tokens): the emitted tokens follow the target's law (check_emitted_pair_law)."""
+    from test_sampling import V
+
+    def whole(drafter, draft):
+        assert draft.n == 2  # the head drafts every token asked for
+
+    check_emitted_pair_law(MtpDrafter(head=head(V)), [0, 1, 2, 3], k=2, seed=321, each_round=whole)
 
 
 def test_hidden_rows_are_required():

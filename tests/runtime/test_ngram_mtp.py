@@ -6,59 +6,26 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from test_mtp import PROMPT, FakeHead, echo_head, fresh_head_drafts, headed, rows_of  # noqa: F401 (headed: fixture)
+from test_mtp import PROMPT, FakeHead, check_emitted_pair_law, fresh_head_drafts, headed  # noqa: F401 (fixture)
 
-from snapspec.runtime import SamplingParams, Stats
 from snapspec.runtime.drafters import MtpDrafter, NgramDrafter, NgramMtpDrafter
 
 
 def test_sampled_law_with_lookup_and_head_drafts():
-    """Synthetic target conditionals over 5 tokens (test_sampling.py); a lookup of 2-token suffixes drafts where
-    it finds one (one-hot q rows), a fake head samples the other drafts (its q rows). The first two emitted tokens
-    follow the target's joint law (5 sigma per cell), and both sources drafted rounds."""
+    """A lookup of 2-token suffixes drafts where it finds one (one-hot q rows), a fake head samples the other drafts
+    (its q rows): the emitted tokens follow the target's law (test_mtp.check_emitted_pair_law), and both sources
+    drafted rounds."""
     from test_sampling import V
-    from test_sampling import _logits as _uncached
 
-    from snapspec.runtime.sampling import accept, probs
-
-    memo: dict = {}
-
-    def _logits(prefix):
-        key = tuple(prefix)
-        if key not in memo:
-            memo[key] = _uncached(0, prefix)
-        return memo[key]
-
-    params, k = SamplingParams(temperature=1.0, top_k=4, seed=0), 2
-    rng = np.random.default_rng(5)
-    prompt = [0, 1, 2, 3, 0, 1]
     drafter = NgramMtpDrafter(NgramDrafter(V, 2, 2), MtpDrafter(head=FakeHead(V)))
-    n, by_source = 4000, {"ngram": 0, "mtp": 0}
-    counts = np.zeros((V, V))
-    for _ in range(n):
-        drafter.start(prompt, sampling=params, rng=rng, stats=Stats(), prefill=rows_of(prompt, 0, len(prompt) - 1))
-        out = [int(rng.integers(V))]  # the prompt's last token; the law is checked on the next two
-        seq = prompt + out
-        emitted: list[int] = []
-        while len(emitted) < 2:
-            draft = drafter.propose(seq, k)
-            by_source[drafter.last_source] += 1
-            assert draft.n >= 1 and len(draft.q) == draft.n
-            m = draft.n
-            rows = np.stack([_logits(emitted + draft.tokens[:i]) for i in range(m + 1)])
-            j, nxt = accept(draft.tokens, draft.q, rows, params, rng)
-            drafter.accepted(j, rows_of(seq + draft.tokens, len(seq) - 1, len(seq) + m - 1))
-            emitted += draft.tokens[:j] + [nxt]
-            seq += draft.tokens[:j] + [nxt]
-        counts[emitted[0], emitted[1]] += 1
-    first = probs(_logits([]), params)
-    exact = np.array([[first[a] * probs(_logits([a]), params)[b] for b in range(V)] for a in range(V)])
-    sigma = np.sqrt(exact * (1 - exact) / n)
-    assert np.all(np.abs(counts / n - exact) <= 5 * sigma + 1e-9), np.max(np.abs(counts / n - exact) / sigma)
-    assert np.all(counts[exact == 0] == 0)
-    assert min(by_source.values()) > n // 10, by_source
+    by_source = {"ngram": 0, "mtp": 0}
+
+    def count(d, draft):
+        by_source[d.last_source] += 1
+
+    check_emitted_pair_law(drafter, [0, 1, 2, 3, 0, 1], k=2, seed=5, each_round=count)
+    assert min(by_source.values()) > 400, by_source
 
 
 def test_greedy_equals_plain_with_both_sources(headed):
