@@ -27,9 +27,6 @@ heads' forwards run together as with `--drafter mtp`.
 from __future__ import annotations
 
 import dataclasses
-import time
-
-import numpy as np
 
 from ..adaptive import Costs, DraftLengthChooser, expected_emitted
 from .base import Draft, Drafter, Extras
@@ -87,12 +84,7 @@ class NgramMtpDrafter(Drafter):
         """The head's cost model (MtpDrafter.measure_costs), and a lookup's time in its unit (lookup_c)."""
         costs = self.mtp.measure_costs(tctx, n_max, reps=reps, tokens=tokens)
         if costs is not None:
-            times = []
-            for _ in range(21):
-                t = time.perf_counter()
-                self.ngram.index.lookup(n_max)
-                times.append(time.perf_counter() - t)
-            self.lookup_c = float(np.median(times)) / costs.step_seconds
+            self.lookup_c = self.ngram.lookup_seconds(n_max) / costs.step_seconds
         return costs
 
 
