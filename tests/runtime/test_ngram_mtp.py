@@ -154,3 +154,25 @@ def test_chat_session_and_conformance(headed, tmp_path, capsys):
                  "--new-tokens", "12", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["passed"] and any(c["where"] == "pair" for c in report["checks"])
+
+
+@pytest.mark.parametrize("cuda_graph", [0, 4])
+def test_greedy_on_cuda(headed, cuda_graph):
+    """On CUDA (fp16; cuda_graph: the target's short forwards replayed, the head's greedy drafts chained on the
+    device): lookup rounds between the head's chained drafts, output equal to plain greedy, rounds from both."""
+    from snapspec.runtime import Generator
+    from snapspec.runtime.providers import available
+
+    if "cuda" not in available():
+        pytest.skip(f"execution provider cuda is not available on this machine (available: {', '.join(available())})")
+    t = headed("qwen3_5_text", echo=True, init=0.05, dtype="float16", ep="cuda", cuda_graph=cuda_graph)
+    prompt = t.encode(PROMPT)
+    plain = Generator(t, prompt, max_new_tokens=40, stop_at_eos=False).run()
+    lookups = heads = 0
+    for k in (1, 3, 7):
+        g = Generator(t, prompt, drafter="ngram+mtp", max_new_tokens=40, draft_max=k, stop_at_eos=False)
+        assert g.run() == plain, k
+        lookups += g.stats.lookup_hits
+        heads += g.stats.rounds - g.stats.lookup_hits
+        assert g.drafter.mtp.head.chains == (cuda_graph > 0)
+    assert lookups > 0 and heads > 0, (lookups, heads)
