@@ -14,6 +14,9 @@ out=$(mkdir -p "${2:-gpu-results}" && cd "${2:-gpu-results}" && pwd)
 cd "$(mktemp -d)"  # run outside the checkout, so `import snapspec` finds the installed package
 python3 -m snapspec.cli.main doctor 2>&1 | tee "$out/doctor.txt"
 python3 -m pytest "$repo/tests/runtime/test_gpu.py" -q -rs 2>&1 | tee "$out/test_gpu.txt"
+# MTP drafting on CUDA (the head chained on the device), alone and between n-gram lookup rounds (ngram+mtp)
+python3 -m pytest "$repo/tests/runtime/test_mtp.py" "$repo/tests/runtime/test_ngram_mtp.py" -k cuda -q -rs -p no:xdist \
+  2>&1 | tee "$out/test_mtp_cuda.txt"
 [ -n "$pair" ] || exit 0
 for ep in cuda webgpu; do
   python3 -c "import sys; from snapspec.runtime.providers import available; sys.exit(0 if '$ep' in available() else 1)" ||
