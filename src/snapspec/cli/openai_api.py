@@ -229,7 +229,7 @@ def snapspec_field(job) -> dict:
            "prompt_cached": s.prompt_cached,
            "decode_tokens_per_s": s.decode_tokens_per_s,
            "stop_reason": gen.stop_reason}
-    if s.lookups:  # n-gram drafting: steps whose lookup found a draft (the others were plain steps)
+    if s.lookups:  # n-gram drafting: steps whose lookup found a draft (the others plain, or with ngram+mtp the head's)
         out.update(lookups=s.lookups, lookup_hits=s.lookup_hits)
     cap = job.max_tokens
     if cap.why:
