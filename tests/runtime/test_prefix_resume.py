@@ -142,12 +142,13 @@ class Drafts:
 
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=40, seed=7)],
                          ids=["greedy", "sampled"])
-@pytest.mark.parametrize("side", ["mtp", "drafter model"])
+@pytest.mark.parametrize("side", ["mtp", "ngram+mtp", "drafter model"])
 def test_drafters_resume_exactly(headed, model, side, sampling):
-    """With an MTP head (its KV rows and waiting hidden row are in the snapshot) or a drafter model (its context
-    is), the resumed generation drafts what a fresh one drafts, round by round, so sampled output matches too."""
+    """With an MTP head (its KV rows and waiting hidden row are in the snapshot; with ngram+mtp, between lookup
+    rounds) or a drafter model (its context is), the resumed generation drafts what a fresh one drafts, round by
+    round, so sampled output matches too."""
     t = headed
-    spec = "mtp" if side == "mtp" else model("lfm2")  # a hybrid drafter: its ring slots are loaded too
+    spec = side if "mtp" in side else model("lfm2")  # a hybrid drafter: its ring slots are loaded too
     fresh = PromptCache(t, spec, context=96)
     rec = Drafts(fresh.drafter)
     scratch = run(fresh, P2, sampling=sampling, max_new_tokens=16)
