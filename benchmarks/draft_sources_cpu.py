@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -37,6 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
 
+    from cpu_step_profile import machine  # the lscpu model and flags, as the other CPU benchmarks record them
     from snapspec.runtime import Generator, load
     from snapspec.runtime.pair import Pair, make_drafter
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         print(f"rep {rep}: " + "  ".join(f"{s} {rates[s][-1]:.1f}" for s in sources), flush=True)
 
     first = sources[0]
-    out = {"command": "python " + " ".join(sys.argv), "cpu": _cpu(), "load_end": os.getloadavg(),
+    out = {"command": "python " + " ".join(sys.argv), "machine": machine(), "load_end": os.getloadavg(),
            "sources": {s: {"tokens_per_s": [round(x, 1) for x in rates[s]],
                            "median": round(float(np.median(rates[s])), 1),
                            f"over_{first}": [round(x / y, 3) for x, y in zip(rates[s], rates[first])],
@@ -97,13 +97,6 @@ def main(argv=None) -> int:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=1))
     return 0
-
-
-def _cpu() -> str:
-    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma"))]
-    return f"{fields.get('Model name', '?').strip()}; {os.cpu_count()} CPUs; {' '.join(flags)}"
 
 
 if __name__ == "__main__":

@@ -36,6 +36,14 @@ def _bench(tiny_export, prompts, tmp_path, *flags, drafter="qwen3") -> dict:
     return json.loads(out.read_text())
 
 
+def test_round_share_counts_head_rounds_as_rounds():
+    """n-gram lookups: a miss is a plain step (10 lookups, 4 rounds: 6 plain, hit 0.4); ngram+mtp: a miss the head
+    drafted is a round (10 lookups, 9 rounds); a source that never looks up drafts at every step."""
+    assert figures.plain_lookups(10, 4) == 6 and figures.round_share(10, 4) == pytest.approx(0.4)
+    assert figures.plain_lookups(10, 9) == 1 and figures.round_share(10, 9) == pytest.approx(0.9)
+    assert figures.round_share(0, 7) == 1.0 and figures.plain_lookups(3, 5) == 0
+
+
 def test_a_probe_at_the_longest_draft_gives_every_shorter_one():
     """Rounds of 4-token drafts that accepted 0, 2 and 4 tokens: a 1-token draft would have accepted 0, 1, 1 of them,
     a 3-token draft 0, 2, 3."""

@@ -89,7 +89,7 @@ def test_cli_generate_and_bench(headed, tmp_path, capsys):
              "1", "--ignore-eos"]
     assert main(plain) == 0
     want = json.loads(capsys.readouterr().out)["token_ids"]
-    assert main(plain + ["--drafter", "ngram+mtp", "--draft-max", "auto", "--ngram-min", "1", "--ngram-max", "3"]) == 0
+    assert main(plain + ["--drafter", "ngram+mtp", "--draft-max", "3", "--ngram-min", "1", "--ngram-max", "3"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["token_ids"] == want and got["drafter"] == "ngram 1-3+mtp" and got["stats"]["drafted"] > 0
 

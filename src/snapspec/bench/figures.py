@@ -29,6 +29,16 @@ def quotable(speedup: float, drift: float) -> bool:
     return abs(speedup - 1.0) > drift
 
 
+def plain_lookups(lookups: int, rounds: int) -> int:
+    """Lookups that led to no round: plain steps (with ngram+mtp, a step whose lookup missed is a head round)."""
+    return max(lookups - rounds, 0)
+
+
+def round_share(lookups: int, rounds: int) -> float:
+    """The share of drafting steps that were rounds, the cost model's `hit` (1.0 for a source that always drafts)."""
+    return 1.0 - plain_lookups(lookups, rounds) / lookups if lookups else 1.0
+
+
 def predicted_speedup(C: list[float], c: float, r: float, k: int, m: float, hit: float = 1.0) -> float:
     """m / (C(k+1) + k*c + r), C listed from n = 1, diluted by plain steps when a lookup may miss (adaptive.Costs)."""
     return Costs(list(C), c, r).predicted_speedup(k, m, hit)

@@ -14,7 +14,8 @@ COLUMNS = (("config", False), ("tok/s", True), ("speedup", True), ("min-max", Tr
 LEGEND = ("model: the cost model's speedup; accept: accepted per drafted token at the row's k (the probe's "
           "acceptance above is its own pass at k_max); {hits}tok/round: tokens per round; rollback time: its share "
           "of decoding")
-STEP = {"model": "drafter step", "ngram": "lookup", "mtp": "MTP head step", "ngram+mtp": "MTP head step"}  # what the cost model's c times
+# what the cost model's c times
+STEP = {"model": "drafter step", "ngram": "lookup", "mtp": "MTP head step", "ngram+mtp": "MTP head step"}
 
 
 def print_table(result: dict, con) -> None:

@@ -123,10 +123,8 @@ class Bench:
             accepted = Counter()
             _, stats, _ = self.spec_pass(Config(f"{name} probe", k_max, "auto", src), accepted=accepted)
             lookups, rounds = sum(s.lookups for s in stats), sum(s.rounds for s in stats)
-            # a lookup that found nothing was a plain step, not a round (with ngram+mtp the head drafts there instead)
-            plain = max(lookups - rounds, 0) if lookups else 0
-            accepted[0] -= plain
-            hit = 1.0 - plain / lookups if lookups else 1.0
+            accepted[0] -= figures.plain_lookups(lookups, rounds)  # a plain step, not a round
+            hit = figures.round_share(lookups, rounds)
             predicted = figures.predicted_by_k(self.costs[src], figures.emitted_by_k(accepted, k_max), hit)
             found[name] = {"k_max": k_max, "acceptance": figures.acceptance_of(accepted, k_max),
                            "lookup_hit_rate": hit, "k": figures.best_predicted(predicted),

@@ -62,8 +62,7 @@ def _row(cfg: Config, drafter: str, costs, drift: float) -> dict:
            "text_matches_plain": True}
     if cfg.lookups:
         row["lookup_hit_rate"] = cfg.lookup_hits / cfg.lookups  # steps whose lookup found a draft
-    # the share of steps that were rounds: a lookup that found nothing was a plain step (with ngram+mtp, a head round)
-    hit = 1.0 - max(cfg.lookups - cfg.rounds, 0) / cfg.lookups if cfg.lookups else 1.0
+    hit = figures.round_share(cfg.lookups, cfg.rounds)
     if cfg.k != "auto":
         row["predicted_speedup"] = figures.predicted_speedup(costs.C, costs.c, costs.r, cfg.k, m, hit) \
             if cfg.rollback == "auto" else None

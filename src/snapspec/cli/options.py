@@ -265,18 +265,41 @@ def web_drafter_arg(value: str):
 def add_drafter_flags(p: argparse.ArgumentParser, *, required: bool = False, repeat: bool = False) -> None:
     """--drafter (an exported folder of a small model with the target's vocabulary, or `ngram`; repeatable where
     several are compared) and the n-gram sizes."""
-    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN
     p.add_argument("--drafter", type=drafter_arg, required=required, action="append" if repeat else "store",
                    help="exported folder of a small model with the target's vocabulary; `ngram`: drafts copied "
                         "from earlier in the sequence, no drafter model; `mtp`: the target's own MTP head (an export "
                         "of a checkpoint with mtp.* weights); `ngram+mtp`: a lookup's draft where it finds one, "
                         "else the MTP head's (a folder named ngram or mtp: ./ngram, ./mtp)"
                         + ("; repeat to compare several in one run" if repeat else ""))
+    add_ngram_flags(p)
+
+
+def add_ngram_flags(p: argparse.ArgumentParser) -> None:
+    """--ngram-min / --ngram-max: the lookup's sizes for --drafter ngram or ngram+mtp (checked by ngram_sizes)."""
+    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN
     p.add_argument("--ngram-min", type=at_least_one, default=None,
                    help=f"--drafter ngram (or ngram+mtp): shortest suffix looked up, in tokens (default {DEFAULT_MIN})")
     p.add_argument("--ngram-max", type=at_least_one, default=None,
                    help=f"--drafter ngram (or ngram+mtp): longest suffix looked up, tried first "
                         f"(default {DEFAULT_MAX})")
+
+
+def ngram_sizes(args, drafters) -> tuple[int, int] | None:
+    """The lookup's (shortest, longest) suffix from --ngram-min / --ngram-max when one of `drafters` (the --drafter
+    values) looks drafts up; None when none does (the flags without one are an error)."""
+    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, check_range
+
+    n_min, n_max = getattr(args, "ngram_min", None), getattr(args, "ngram_max", None)
+    if NGRAM not in drafters and NGRAM_MTP not in drafters:
+        if n_min is not None or n_max is not None:
+            raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram (or ngram+mtp) only")
+        return None
+    if n_min is None:  # a default that fits the other size when only one is given
+        n_min = DEFAULT_MIN if n_max is None else min(DEFAULT_MIN, n_max)
+    if n_max is None:
+        n_max = max(DEFAULT_MAX, n_min)
+    check_range(n_min, n_max)
+    return n_min, n_max
 
 
 def drafter_label(drafter) -> str:
@@ -306,18 +329,8 @@ def load_drafters(args, target_dir, drafter_dirs):
     chosen per model (default_threads) and recorded in args.threads_used: an int per model, or None where
     onnxruntime picks (the --json `threads` field; JSON readers get one type, never a word in place of a number)."""
     from snapspec.runtime import load
-    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, check_range
 
-    n_min, n_max = getattr(args, "ngram_min", None), getattr(args, "ngram_max", None)
-    lookups = NGRAM in drafter_dirs or NGRAM_MTP in drafter_dirs
-    if (n_min is not None or n_max is not None) and not lookups:
-        raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram (or ngram+mtp) only")
-    if lookups:
-        if n_min is None:  # a default that fits the other size when only one is given
-            n_min = DEFAULT_MIN if n_max is None else min(DEFAULT_MIN, n_max)
-        if n_max is None:
-            n_max = max(DEFAULT_MAX, n_min)
-        check_range(n_min, n_max)  # before loading anything
+    n_min, n_max = ngram_sizes(args, drafter_dirs) or (None, None)  # checked before loading anything
     t_threads = args.threads if args.threads is not None else default_threads(target_dir)
     rollback = getattr(args, "rollback", None) or "auto"
     target = load(target_dir, args.ep, allow_fallback=args.allow_fallback, threads=t_threads,

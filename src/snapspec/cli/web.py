@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 from snapspec import SnapspecError, cache_root, manifest
 
-from .options import MTP, NGRAM, NGRAM_MTP, at_least_one, web_drafter_arg
+from .options import MTP, NGRAM, NGRAM_MTP, add_ngram_flags, ngram_sizes, web_drafter_arg
 
 ORT_VERSION = "1.30.0"
 ORT_FILES = ("ort.webgpu.bundle.min.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
@@ -235,29 +235,13 @@ def add_parser(sub, runtime_flags):
                    help="exported drafter folder (same vocabulary), `mtp`: the target's own MTP head (a folder "
                         "exported with mtp.* weights; a folder named mtp: ./mtp), `ngram`: drafts copied from "
                         "earlier in the sequence, no drafter model, or `ngram+mtp`: both: speculative decoding")
-    p.add_argument("--ngram-min", type=at_least_one, default=None, help="--drafter ngram: shortest suffix (default 2)")
-    p.add_argument("--ngram-max", type=at_least_one, default=None, help="--drafter ngram: longest suffix (default 4)")
+    add_ngram_flags(p)
     p.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--web-dir", type=Path, default=None,
                    help="where onnxruntime-web is installed (default: $SNAPSPEC_WEB_DIR or ~/.cache/snapspec/web)")
     p.add_argument("--install", action="store_true",
                    help="install onnxruntime-web and the tokenizer library into --web-dir with npm, then exit")
-
-
-def ngram_sizes(args) -> tuple[int, int] | None:
-    """--ngram-min / --ngram-max for --drafter ngram (checked here: the page would only fail later)."""
-    from snapspec.runtime.drafters.ngram import DEFAULT_MAX, DEFAULT_MIN, check_range
-
-    n_min, n_max = args.ngram_min, args.ngram_max
-    if args.drafter not in (NGRAM, NGRAM_MTP):
-        if n_min is not None or n_max is not None:
-            raise SnapspecError("--ngram-min and --ngram-max apply to --drafter ngram (or ngram+mtp) only")
-        return None
-    n_min = n_min if n_min is not None else min(DEFAULT_MIN, n_max or DEFAULT_MIN)
-    n_max = n_max if n_max is not None else max(DEFAULT_MAX, n_min)
-    check_range(n_min, n_max)
-    return n_min, n_max
 
 
 def run(args) -> int:
@@ -267,7 +251,7 @@ def run(args) -> int:
     if args.target is None:
         raise SnapspecError("web: give --target FOLDER (an exported folder), or --install")
     server = PageServer(args.target, args.drafter, host=args.host, port=args.port, web_dir=args.web_dir,
-                        ngram=ngram_sizes(args))
+                        ngram=ngram_sizes(args, [args.drafter]))
     drafter = {MTP: " + its MTP head", NGRAM: " + n-gram lookup", NGRAM_MTP: " + n-gram lookup, else its MTP head"}.get(
         str(args.drafter), f" + {args.drafter}" if args.drafter else "")
     print(f"snapspec web: serving {args.target}{drafter}"
