@@ -152,6 +152,32 @@ def test_rounds_of_another_source_keep_the_head_on_the_history():
     assert own == 10
 
 
+def test_keep_up_bounds_the_waiting_rows(monkeypatch):
+    """Many rounds of another source in a row (a long copy found by lookups): keep_up before each step consumes the
+    waiting pairs once a chunk of them waits, so the rows kept on the host stay within a chunk and a round; the head's
+    next draft still equals a fresh head's over the whole history."""
+    from snapspec.runtime.drafters import Draft
+    from snapspec.runtime.drafters import mtp
+
+    monkeypatch.setattr(mtp, "PREFILL_CHUNK", 4)
+    vocab, rng = 50, np.random.default_rng(3)
+    drafter = MtpDrafter(head=FakeHead(vocab))
+    prompt = list(rng.integers(0, vocab, 9))
+    drafter.start(prompt, sampling=SamplingParams(), rng=rng, stats=Stats(), prefill=rows_of(prompt, 0, 8))
+    seq, most = prompt + [int(rng.integers(vocab))], 0
+    for _ in range(25):
+        drafter.keep_up(seq)
+        n, k = len(seq), 3
+        draft = Draft([int(x) for x in rng.integers(0, vocab, k)])
+        drafter.foreign(seq, draft)
+        drafter.accepted(k, rows_of(seq + draft.tokens, n - 1, n + k - 1))
+        seq = seq + draft.tokens + [int(rng.integers(vocab))]
+        most = max(most, len(drafter._hidden))
+    assert len(seq) > 100 and most <= 4 + 4  # a chunk, and one round's rows
+    assert drafter.head.n_past > 80
+    assert drafter.propose(seq, 3).tokens == reference_draft(vocab, seq, 3)
+
+
 class SubsetHead(FakeHead):
     """A head with a draft vocabulary {0, 1, 2} (export/draft_vocab.py): float32's lowest logit elsewhere, as the
     exported subset head emits."""

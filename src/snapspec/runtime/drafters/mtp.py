@@ -187,6 +187,14 @@ class MtpDrafter(Drafter):
         self._round = (len(seq), draft.n)
         self._draft = draft
 
+    def keep_up(self, seq: list[int]) -> None:
+        """Consume the waiting pairs once a chunk of them (PREFILL_CHUNK) waits: while another source drafts, or the
+        chooser takes plain steps, the head does not run, and the target's hidden rows it has not consumed would
+        otherwise pile up on the host for the whole generation (hidden size x 4 bytes a token)."""
+        if len(seq) - 1 - self.head.n_past >= PREFILL_CHUNK:
+            self._known = list(seq)
+            self._catch_up(seq, len(seq) - 1)
+
     def _step(self, token: int, rows):
         """One chained head step: the draft token with the head's own output hidden."""
         return self.head.forward([token], rows.hidden[-1:], logits=self.wants_logits)

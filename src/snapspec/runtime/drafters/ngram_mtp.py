@@ -11,7 +11,8 @@ One generation, two sources:
 - The head follows every target forward either way. The target's context returns hidden rows for this drafter
   (extras.hidden), and before a lookup's draft is verified the head is told that the round is another source's
   (MtpDrafter.foreign): it keeps the verify's rows of the accepted tokens, as after a round of its own, and consumes
-  them in one multi-row forward when it next drafts. While lookups keep finding drafts the head does not run.
+  them in one multi-row forward when it next drafts, or once a chunk of them waits (MtpDrafter.keep_up: the rows
+  on the host stay bounded). While lookups keep finding drafts the head runs only for those chunks.
 - Adaptive k (MixedChooser): one chooser per source, each updated by its own rounds only, both on one cost model
   measured with the head (C(n), r, c = a head step; the lookup's copy has c = a lookup). The lookup's length is its
   LookupChooser's, as with `--drafter ngram` (0 where no length is predicted to beat a plain step); the head's is its
@@ -58,6 +59,7 @@ class NgramMtpDrafter(Drafter):
         self._source = None
 
     def propose(self, seq: list[int], k: int) -> Draft:
+        self.mtp.keep_up(seq)  # the head's waiting rows stay within a chunk, whoever drafts
         ch = self._chooser
         k_lookup, k_head = (ch.lengths() if ch is not None else (k, k))
         draft = self.ngram.propose(seq, min(k_lookup, k))  # k = 0 still looks up (the chooser's check)
