@@ -230,6 +230,8 @@ export class NgramMtpDraft {
   restore() {}
 
   async propose(seq, k) {
+    // the head's waiting rows stay within a chunk while lookups draft (drafters/mtp.py keep_up)
+    if (seq.length - 1 - this.head.ctx.nPast >= this.head.chunk) await this.head._catchUp(seq, seq.length - 1, false);
     const draft = await this.lookup.propose(seq, k);
     return draft.tokens.length ? draft : this.head.propose(seq, k);
   }
