@@ -35,6 +35,8 @@ def main(argv=None) -> int:
                    "largest N's batched graph (its node times by operator type are printed)")
     p.add_argument("--graphs", type=int, default=0, metavar="N",
                    help="steps replay CUDA graphs of the batched forward (Batch(graphs=N); one sequence's too)")
+    p.add_argument("--pooled", choices=["on", "off"], default="off",
+                   help="plain steps over slot-major state (Batch(pooled=True), runners/pooled.py)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -45,6 +47,7 @@ def main(argv=None) -> int:
     from snapspec.runtime.runners.batched import BatchedRunner
     from snapspec.runtime.runners.batched_captured import CapturedBatch
     from snapspec.runtime.runners.bound import BoundRunner
+    from snapspec.runtime.runners.pooled import PooledRunner
 
     sizes = [int(x) for x in a.parallel.split(",")]
     calls: list[tuple[float, float, float, bool]] = []  # (start, end, run seconds, a decode step)
@@ -70,6 +73,7 @@ def main(argv=None) -> int:
     ort.InferenceSession.run_with_iobinding = timed_run
     BatchedRunner.forward = timed(BatchedRunner.forward, lambda args: True)
     CapturedBatch.forward = timed(CapturedBatch.forward, lambda args: True)
+    PooledRunner.forward = timed(PooledRunner.forward, lambda args: True)
     BoundRunner.forward = timed(BoundRunner.forward, lambda args: args[1].shape[1] == 1)  # (keys, ids [1, T], ...)
     if a.ort_profile is not None:
         a.ort_profile.mkdir(parents=True, exist_ok=True)
@@ -89,7 +93,7 @@ def main(argv=None) -> int:
     for n in sizes:
         prompts = [target.encode(texts[i % len(texts)]) for i in range(n)]
         batch = Batch(target, None, parallel=n, context=max(map(len, prompts)) + a.new + 16, stepping=a.stepping,
-                      graphs=a.graphs)
+                      graphs=a.graphs, pooled=a.pooled == "on")
         kw = dict(max_new_tokens=a.new, stop_at_eos=False)
         batch.generate(prompts, **kw)  # every graph made, every buffer touched
         calls.clear()
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
         wall = steps[-1][1] - since
         per = lambda x: round(1e3 * x / len(steps), 3)  # noqa: E731 (ms per step)
         forward, run_s = sum(end - start for start, end, _, _ in steps), sum(c[2] for c in steps)
-        row = {"sequences": n, "stepping": batch.stepping, "graphs": a.graphs, "decode_forwards": len(steps), "ms_per_step": per(wall), "run_ms": per(run_s),
+        row = {"sequences": n, "stepping": batch.stepping, "graphs": a.graphs, "pooled": a.pooled,
+               "decode_forwards": len(steps), "ms_per_step": per(wall), "run_ms": per(run_s),
                "runner_python_ms": per(forward - run_s), "outside_forward_ms": per(wall - forward),
                "tokens_per_s": round(n * a.new / total, 1)}
         rows.append(row)

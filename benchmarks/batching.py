@@ -12,6 +12,7 @@ python benchmarks/batching.py --target T [--drafter ngram|mtp|FOLDER] --parallel
     --prompts ../shared/models/pair-a/prompts.jsonl --limit 4 --new 128 --threads 2 --json out.json
 python benchmarks/batching.py --ep cuda --target T16 --parallel 16 --limit 16 ...   # an fp16 export on a GPU
 python benchmarks/batching.py --ep cuda --graphs 1 ...   # CUDA graphs: of the batched forward, and of one sequence
+python benchmarks/batching.py --ep cuda --graphs 1 --pooled on ...   # plain steps over slot-major state
 
 On CUDA the target loads with the replay rollback (the forward graph: batching does not run the state-window graph)
 and texts together are compared with alone but not required equal: cuBLAS may pick another kernel for 16 rows than
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
                    help="steps and verifies of up to N rows a sequence replay CUDA graphs: the target loads with "
                         "cuda_graph=N (one at a time: its own captured steps; together: the batched forward's, "
                         "Scheduler(graphs=N)); on CPU the same fixed-address path, uncaptured")
+    p.add_argument("--pooled", choices=["on", "off"], default="off",
+                   help="on: the slots' state as rows of one pool, plain steps one forward of the export's graph "
+                        "(Scheduler(pool=N), runners/pooled.py)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -83,7 +87,8 @@ def main(argv=None) -> int:
         kw["draft_max"] = draft_max
 
     pair = Pair(target, drafter, length=context)
-    scheduler = Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs)
+    scheduler = Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs,
+                          pool=a.parallel if a.pooled == "on" else 0)
     batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler, stepping=a.stepping)
 
     costs = None
@@ -171,7 +176,7 @@ def main(argv=None) -> int:
     batch.close()
     scheduler.close()
     result = {"cpu": cpu(), "ep": a.ep, "target": str(a.target), "drafter": a.drafter, "parallel": a.parallel,
-              "stepping": batch.stepping, "head_batching": a.head_batching, "graphs": a.graphs,
+              "stepping": batch.stepping, "head_batching": a.head_batching, "graphs": a.graphs, "pooled": a.pooled,
               "prompts": len(prompts), "new": a.new, "threads": a.threads, "draft_max": a.draft_max, "runs": runs,
               "ratio_median": sorted(r["ratio"] for r in runs)[len(runs) // 2]}
     print(f"CPU: {result['cpu']}")

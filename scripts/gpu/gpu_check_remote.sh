@@ -33,6 +33,8 @@
 #                                                     the export at batch 16, one attention node per layer) against
 #                                                     today's batched graph, CUDA graphs both, alternating twice;
 #                                                     NOFLASH=1: the probe again without flash attention
+#   scripts/gpu/gpu_check_remote.sh poolbatch C2 OUT benchmarks/batching.py, 16 together against one at a time, CUDA
+#                                                     graphs, pooled steps (runners/pooled.py) on and off, twice
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -50,7 +52,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|batch|profile|stepping|graphs|hostcmp|pooled)
+run|batch|profile|stepping|graphs|hostcmp|pooled|poolbatch)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out && out=$(cd $out && pwd)
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -102,6 +104,15 @@ PY
     if [ $shape = 4b ]; then ck=/tmp/gc/c4b; new=64
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
+    if [ $cmd = poolbatch ]; then  # 16 x NEW tokens together against one at a time, pooled steps on and off
+      for rep in 1 2; do for pl in on off; do
+        timeout 250 python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
+          --new ${NEW:-$new} --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl --reps 1 \
+          --json $out/poolbatch-$shape-$pl-$rep.json 2>&1 | grep '^rep' | sed "s/^/pooled=$pl /" |
+          tee -a $out/poolbatch-$shape.txt
+      done; done
+      continue
+    fi
     if [ $cmd = pooled ]; then  # one forward over slot-major state (scripts/gpu/pooled_probe.py) against today's
       for rep in 1 2; do        # batched graph (batch_step_profile.py, CUDA graphs, stepping one), same call
         timeout 240 python3 scripts/gpu/pooled_probe.py /tmp/gc/x-$shape --ep cuda --n 1,16 --steps ${NEW:-256} \

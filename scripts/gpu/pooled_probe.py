@@ -29,26 +29,17 @@ import time
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
+from snapspec.runtime.batched_graph import POOLED_SEQLENS as SEQLENS, POOLED_TOTAL as TOTAL, pooled
 from snapspec.runtime.exactness import EXTERNAL_FOLDER
 from snapspec.runtime.state import allocate, dtype, shape
 
-SEQLENS, TOTAL = "pooled/seqlens_k", "pooled/total_sequence_length"
 NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64}
 
 
 def pooled_graph(path: str, n: int) -> bytes:
     """The forward graph with every GroupQueryAttention's lengths taken from two graph inputs."""
-    m = onnx.load(path, load_external_data=False)
-    for node in m.graph.node:
-        if node.op_type == "GroupQueryAttention":
-            if len(node.input) != 7:
-                raise SystemExit(f"{node.name}: a GroupQueryAttention without seqlens_k and total_sequence_length")
-            node.input[5], node.input[6] = SEQLENS, TOTAL
-    m.graph.input.extend([helper.make_tensor_value_info(SEQLENS, TensorProto.INT32, [n]),
-                          helper.make_tensor_value_info(TOTAL, TensorProto.INT32, [])])
-    return m.SerializeToString()
+    return pooled(onnx.load(path, load_external_data=False)).SerializeToString()
 
 
 class Pooled:
@@ -146,7 +137,7 @@ def main(argv=None) -> int:
     if a.ep == "cuda" and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     man = json.load(open(os.path.join(a.folder, "snapspec.json")))
-    ctx = a.context or int(man["max_context"])
+    ctx = a.context or int(man["model"]["max_context"])
     single = Pooled(a.folder, 1, a.ep, bool(a.graphs), ctx)
     vocab = min(int(single.outputs["logits"].shape()[-1]), 8000)
     for n in [int(x) for x in a.n.split(",")]:

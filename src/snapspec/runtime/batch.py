@@ -93,7 +93,8 @@ class Sequence:
 class Batch:
     def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
                  window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True,
-                 scheduler: Scheduler | None = None, stepping: str = "auto", graphs: int | None = None):
+                 scheduler: Scheduler | None = None, stepping: str = "auto", graphs: int | None = None,
+                 pooled: bool | None = None):
         """drafter: what pair.make_drafter takes (each slot gets its own draft source: pair.slot_drafters);
         parallel: sequences at once; context: tokens each slot holds (default: the exports' max_context); warm: make
         the graphs for 2..parallel sequences now rather than at the first step that needs each; scheduler: another
@@ -102,7 +103,9 @@ class Batch:
         "threads" gives each a thread of its own, "auto" is "threads" where a slot drafts with a model of its own
         (its forwards then overlap other sequences' on the CPU's cores) and "one" otherwise; graphs: the steps and
         verifies of up to this many rows a sequence replay CUDA graphs of the batched forward (Scheduler's graphs;
-        runners/batched_captured.py), a lone sequence's too (default: the target's cuda_graph)."""
+        runners/batched_captured.py), a lone sequence's too (default: the target's cuda_graph); pooled: the slots'
+        state as rows of one pool, their plain steps one forward of the export's graph (state/pool.py,
+        runners/pooled.py; default: on CUDA with graphs; not with a shared scheduler)."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
         steps.choose(stepping, ())  # a bad value fails before anything is made
@@ -112,12 +115,19 @@ class Batch:
         self.drafter = sources[0]
         if scheduler is not None and graphs is not None and scheduler.graphs != graphs:
             raise SnapspecError("graphs is the scheduler's: pass it to the Scheduler this Batch shares")
-        self.scheduler = scheduler or Scheduler(target, patience=patience, graphs=graphs)
+        if pooled is None:
+            pooled = scheduler is None and target.device == "cuda" and bool(target.graph_tokens if graphs is None
+                                                                             else graphs)
+        if pooled and scheduler is not None:
+            raise SnapspecError("pooled is the scheduler's: make the Scheduler with pool=N")
+        self.scheduler = scheduler or Scheduler(target, patience=patience, graphs=graphs,
+                                                pool=self.parallel if pooled else 0)
         self._owns_scheduler = scheduler is None
         length = check_context(target, self.drafter, context)
         w = window_of(target, window)
         self.pairs = []
-        self._free: queue.Queue = queue.Queue()
+        # free slots, the lowest first: running sequences stay on the first slots, which a pooled step runs
+        self._free: queue.PriorityQueue = queue.PriorityQueue()
         self._costs = None  # draft_max="auto": the cost model every slot's chooser shares (calibrate)
         self._calibration = threading.Lock()
         self.sharing = SharedForwards(lambda: self.scheduler.live)  # adaptive k: the slots draft one k together
@@ -127,7 +137,7 @@ class Batch:
             pair.sharing = self.sharing
             pair.shared_costs = self._shared_costs
             self.pairs.append(pair)
-            self._free.put(pair)
+            self._free.put((len(self.pairs) - 1, pair))
         if warm:
             try:
                 self.scheduler.warm(range(1 if self.scheduler.graphs else 2, self.parallel + 1))
@@ -179,8 +189,8 @@ class Batch:
         batched steps (unless some are running then). None where the draft source has no cost model."""
         with self._calibration:
             if self._costs is None and self.drafter is not None:
-                pair = self._free.get()
-                self.scheduler.join()
+                slot, pair = self._free.get()
+                self.scheduler.join(pair.tctx)
                 try:
                     pair.reset()
                     prompt = [1, 1]  # a short past, as after a prompt, and the draft source started on it
@@ -191,8 +201,8 @@ class Batch:
                     self._costs = pair.costs(pair.policy.k_max + 1) or False  # False: none (no room, no model)
                     pair.reset()
                 finally:
-                    self.scheduler.leave()
-                    self._free.put(pair)
+                    self.scheduler.leave(pair.tctx)
+                    self._free.put((slot, pair))
             return self._costs or None
 
     def _shared_costs(self):
@@ -241,15 +251,15 @@ class Batch:
             if not self._waiting:
                 return None
             try:
-                pair = self._free.get_nowait()
+                pair = self._free.get_nowait()[1]
             except queue.Empty:
                 return None
             seq, prompt, generation = self._waiting.popleft()
         return functools.partial(self._run, seq, prompt, generation, pair)
 
     def _run(self, seq: Sequence, prompt, generation: dict, pair: Pair | None = None) -> None:
-        pair = pair or self._free.get()  # the first free slot; a new sequence joins at the next step boundary
-        self.scheduler.join()
+        pair = pair or self._free.get()[1]  # the first free slot; a new sequence joins at the next step boundary
+        self.scheduler.join(pair.tctx)
         gen, stop, error = None, None, None
         try:
             gen = seq.generator = Generator(self.target, prompt, pair=pair, **generation)
@@ -261,8 +271,8 @@ class Batch:
         except BaseException as exc:  # the sequence ends with its error; the others go on
             error, stop = exc, "error"
         finally:
-            self.scheduler.leave()
-            self._free.put(pair)
+            self.scheduler.leave(pair.tctx)
+            self._free.put((self.pairs.index(pair), pair))
         stop = stop or (gen.stop_reason if gen is not None else "error")
         _end(seq, Event(seq.index, [], final_text(gen) if gen is not None else "", done=True, stop_reason=stop,
                         stats=gen.stats if gen is not None else None, error=error))

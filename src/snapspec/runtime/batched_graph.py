@@ -162,3 +162,25 @@ def reads_mask_values(model) -> bool:
                 seen.add(id(node))
                 todo += [y for y in node.output if y]
     return False
+
+
+POOLED_SEQLENS, POOLED_TOTAL = "pooled/seqlens_k", "pooled/total_sequence_length"
+
+
+def pooled(model):
+    """Rewrite `model` (a forward graph) in place for slot-major state (runners/pooled.py) and return it: every
+    GroupQueryAttention takes its lengths from two graph inputs, seqlens_k [batch] and total_sequence_length (a
+    scalar), which the runner gives per row from the host as the exported graph computes them alone from a mask.
+    Nothing else changes: the batch axis stays symbolic, one attention node and one kernel of each recurrent layer
+    run every sequence's rows, and the state inputs and outputs are the export's, [batch, ...]."""
+    from onnx import TensorProto, helper
+
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            if len(node.input) != 7:
+                raise ValueError(f"{node.name}: a GroupQueryAttention without seqlens_k and total_sequence_length")
+            node.input[5], node.input[6] = POOLED_SEQLENS, POOLED_TOTAL
+    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+        model.graph.input.extend([helper.make_tensor_value_info(POOLED_SEQLENS, TensorProto.INT32, ["batch"]),
+                                  helper.make_tensor_value_info(POOLED_TOTAL, TensorProto.INT32, [])])
+    return model

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 from snapspec import SnapspecError
 
-from .batched_graph import batched, reads_mask_values
+from .batched_graph import batched, pooled as pooled_graph, reads_mask_values
 from .policy import window_of
 
 
-def batched_session(model, n: int, weights: dict | None = None, graph: str = "forward", cuda_graph: bool = False):
+def batched_session(model, n: int, weights: dict | None = None, graph: str = "forward", cuda_graph: bool = False,
+                    pooled: bool = False):
     """A session on the model's forward graph (graph="mtp": its MTP head's) rewritten for n sequences (`batched`), on
     the model's provider and options; cuda_graph: one that captures CUDA graphs (runners/batched_captured.py). An int4
     graph on CPU that load() (load_head) runs with paired rows (runtime/exactness.py) runs here as exported where
     calls of several rows already give each row the paired one-row call's bits (exactness.several_rows_bitwise):
     n >= 2 sequences never make a one-row call, and pairing would double the rows of every step. weights: {name:
     OrtValue} of its initializers that every such session shares (head.external_values): sessions for 2..N sequences
-    then hold the weights once (pre-packed CPU kernels still pack their own copy)."""
+    then hold the weights once (pre-packed CPU kernels still pack their own copy). pooled: the forward graph for
+    slot-major state instead (batched_graph.pooled; runners/pooled.py), for up to n sequences."""
     import onnx
 
     from . import exactness
@@ -42,11 +44,13 @@ def batched_session(model, n: int, weights: dict | None = None, graph: str = "fo
     if head:
         from .runners.batched_head import keep_last_rows
         proto = keep_last_rows(batched(proto, n, m.data["mtp"]["state"]))
+    elif pooled:
+        proto = pooled_graph(proto)
     else:
         packed = m.rollback_data
         proto = batched(proto, n, m.state, per_row_outputs=[packed["name"]] if packed else ())
-        if cuda_graph and reads_mask_values(proto):
-            raise SnapspecError(f"{model.folder.name}: its batched graph reads the attention mask's values, which "
-                                "batched CUDA graphs bind once (runners/batched_captured.py): run without graphs")
+    if not head and cuda_graph and reads_mask_values(proto):
+        raise SnapspecError(f"{model.folder.name}: its batched graph reads the attention mask's values, which "
+                            "batched CUDA graphs bind once (runners/batched_captured.py): run without graphs")
     return open_like(model, proto.SerializeToString(), path, weights, spin=False if head else None,
                      cuda_graph=cuda_graph)

@@ -82,7 +82,31 @@ class Context:
         # for a drafter that reads the target's hidden states (an MTP head, drafters/mtp.py).
         self.hidden = False
         self.batch = None  # a Scheduler (scheduler.py) that runs this context's forwards with other sequences'
+        self.pool_slot: int | None = None  # its row of the scheduler's state pool (state/pool.py), where it has one
+        self.vacant = False  # its state was overwritten (forget): it holds nothing until reset
         self.reset()
+
+    def adopt(self, kv: dict, recurrent: list[dict] | None) -> None:
+        """Hold the state in these buffers from now on (a pool's rows, state/pool.py): {name: OrtValue} for the KV
+        cache, and for a replay store its two slots'; the runners are made again for them, and the state is empty."""
+        if self.kv is not None:
+            self.kv.values = dict(kv)
+        if recurrent is not None:
+            self.recurrent.use(recurrent)
+        self.bound = BoundRunner(self.model, self.io, self.stores, self.max_len)
+        if self.captured is not None:
+            self.captured = CapturedRunner(self.model, self.io, self.stores, self.stream, self.max_len,
+                                           self.graph_tokens)
+        self.reset()
+
+    def forget(self) -> None:
+        """Its live state was overwritten by another sequence's forward (a pooled step's idle row,
+        runners/pooled.py): hold nothing, at no cost now; the next forward or resume starts from an empty state."""
+        self._settle()
+        self.n_past = 0
+        self._tokens = []
+        self._checkpoint = None
+        self.vacant = True
 
     @property
     def mode(self) -> str:
@@ -132,6 +156,7 @@ class Context:
     def reset(self) -> None:
         """Empty the sequence: position 0, zero recurrent state."""
         self._settle()
+        self.vacant = False
         self.n_past = 0
         self._tokens: list[int] = []
         self._checkpoint = None
@@ -152,6 +177,8 @@ class Context:
             raise SnapspecError(f"keep must be 1..{t} rows, got {keep}")
         if self.n_past + t > self.max_len:
             raise SnapspecError(f"context full: {self.n_past} + {t} tokens exceed the context of {self.max_len}")
+        if self.vacant:
+            self.reset()
         if self.batch is not None:
             if tail is not None:
                 ids = np.concatenate([ids, tail.read()[None]], axis=1)
@@ -283,6 +310,8 @@ class Context:
         """Keep the longest prefix of `tokens` that this context holds and can return to, short of the last token
         (the caller feeds at least one, for its logits); reset when there is none. Returns the length kept."""
         tokens = list(tokens)
+        if self.vacant:
+            self.reset()
         limit = min(len(tokens) - 1, self.n_past)
         common = 0
         while common < limit and self.tokens[common] == tokens[common]:

@@ -44,6 +44,10 @@ class ReplayState(SlotState):
         super().reset()
         self._last = None
 
+    def use(self, slots: list[dict]) -> None:
+        self._replay_bindings = {}  # they bound the old buffers
+        super().use(slots)
+
     def advanced(self, start: int, t: int, key, outputs: dict) -> None:
         self._last = _Forward(start, t, key[0], key[1], outputs["rollback_data"])
         super().advanced(start, t, key, outputs)
@@ -57,6 +61,11 @@ class ReplayState(SlotState):
         self.slot_pos[other] = self.slot_pos[self.cur]
         self.cur = other
         self._last = None
+
+    def overwritten(self, slot: int) -> None:
+        super().overwritten(slot)
+        if self._last is not None and slot in (self._last.src, self._last.dst):
+            self._last = None  # its replay would start from, or land in, the overwritten slot
 
     def _replayable(self, pos: int) -> bool:
         last = self._last

@@ -23,6 +23,11 @@ class SlotState(Store):
                       for _ in range(n_slots)]
         self.reset()
 
+    def use(self, slots: list[dict]) -> None:
+        """Hold the slots in these buffers from now on (a pool's rows, pool.py); the state is reset."""
+        self.slots = [dict(slot) for slot in slots]
+        self.reset()
+
     def reset(self) -> None:
         self.zero(self.slots[0])
         self.slot_pos: list[int | None] = [0] + [None] * (len(self.slots) - 1)
@@ -41,6 +46,12 @@ class SlotState(Store):
     def advanced(self, start: int, t: int, key, outputs: dict) -> None:
         self.slot_pos[key[1]] = start + t
         self.cur = key[1]
+
+    def overwritten(self, slot: int) -> None:
+        """Another sequence's forward wrote this slot, not the live one (a pooled step's idle row,
+        runners/pooled.py): the position it held is out of reach."""
+        assert slot != self.cur
+        self.slot_pos[slot] = None
 
     def reach(self, pos: int) -> str | None:
         return self.mode if pos in self.slot_pos else None

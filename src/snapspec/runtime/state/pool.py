@@ -1,0 +1,74 @@
+"""Slot-major state: every slot's KV and recurrent state as one row of one buffer per state tensor.
+
+A Batch's slots (batch.py) each hold their own state stores (state/): alone, a sequence's KV cache and its replay
+store's two recurrent slots are buffers of batch 1. A pool allocates them for all N slots at once, [N, ...] per
+state tensor (per replay slot for the recurrent ones), and gives each slot's stores views of its row
+(device/views.py), so that the stores, their rollback and every runner work on them as before, while a forward of
+the first n slots can bind the first n rows of every buffer as one tensor: the export's own graph at batch n, one
+attention node and one recurrent kernel per layer for all of them (runners/pooled.py), where the batched graph
+(batched_graph.py) runs one attention node per sequence and joins and splits the recurrent state at every step.
+
+Only a context whose stores are a KV cache and a replay store (the target's stores in replay mode, or a model
+without recurrent layers) of the pool's buffer length joins; others keep their own buffers.
+"""
+
+from __future__ import annotations
+
+from ..device.views import Views
+from . import allocate, dtype, nbytes, shape, value_dtype
+
+
+class StatePool:
+    def __init__(self, capacity: int, device: str):
+        self.slots = int(capacity)  # contexts it takes
+        self.device = device
+        # rows it holds: on CPU an even count, as every pooled step runs (rows_for)
+        self.capacity = self.rows_for(self.slots)
+        self.views = Views()
+        self.kv: dict = {}  # name -> [N, kv_heads, rows, head_dim]
+        self.recurrent: list[dict] = [{}, {}]  # the replay store's slot j -> name -> [N, ...]
+        self.contexts: list = []  # slot i's context
+        self.kv_rows: int | None = None
+
+    def fits(self, ctx) -> bool:
+        """Whether ctx can take a row (module doc)."""
+        rec = ctx.recurrent
+        return len(self.contexts) < self.slots and (rec is None or rec.mode == "replay") and \
+            (self.kv_rows is None or ctx.kv_rows == self.kv_rows) and ctx.device == self.device
+
+    def adopt(self, ctx) -> int | None:
+        """Give ctx's stores the next free row of every buffer (allocated with the first context); returns its slot,
+        or None where it does not fit. Its state starts empty, as after reset()."""
+        if not self.fits(ctx):
+            return None
+        if not self.contexts:
+            self._allocate(ctx)
+        slot = len(self.contexts)
+        kv = {name: self.views.rows(self.kv[name], slot) for name in (ctx.kv.values if ctx.kv else ())}
+        rec = [{name: self.views.rows(pool[name], slot) for name in pool} for pool in self.recurrent]
+        ctx.adopt(kv, rec if ctx.recurrent else None)
+        self.contexts.append(ctx)
+        ctx.pool_slot = slot
+        return slot
+
+    def _allocate(self, ctx) -> None:
+        n = self.capacity
+        self.kv_rows = ctx.kv_rows
+        if ctx.kv is not None:
+            for name, value in ctx.kv.values.items():
+                self.kv[name] = allocate([n] + list(value.shape())[1:], value_dtype(value), self.device, 0.0)
+        if ctx.recurrent is not None:
+            for j in (0, 1):
+                for s in ctx.recurrent.specs:
+                    self.recurrent[j][s["name"]] = allocate([n] + shape(s, 0)[1:], dtype(s), self.device, 0.0)
+
+    def rows_for(self, n: int) -> int:
+        """The rows a step of the first n slots runs: n; on CPU an even count (onnxruntime's CPU MatMulNBits at
+        accuracy level 4 computes an odd last row through its one-row kernel, whose sums differ from the rows it
+        computes in pairs: docs/exactness.md), the extra row one no sequence reads."""
+        return n + n % 2 if self.device == "cpu" else n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(v) for v in list(self.kv.values()) + [v for p in self.recurrent for v in p.values()])
+

@@ -1,0 +1,95 @@
+"""Slot-major state (state/pool.py) and pooled plain steps (runners/pooled.py): the slots' state as rows of one pool,
+the plain steps of the running sequences as one forward of the export's own graph at batch n.
+
+The oracle is each prompt served alone on the same path (a Batch of one pooled slot): a pooled step computes one query
+row a sequence where a sequence alone computes two (the spare row), and onnxruntime's attention sums one row in
+another order than two (CPU: logits apart by ~3e-6 on the tiny models), so a pooled sequence is held to its own run
+at n = 1, bit for bit, not to a Generator's. On a GPU the same is checked by scripts/gpu/pooled_probe.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from snapspec.runtime import SamplingParams
+from snapspec.runtime.batch import Batch
+from snapspec.runtime.device.views import Views
+from snapspec.runtime.scheduler import Scheduler, batchable
+from snapspec.runtime.state import allocate
+from test_batch import CONTEXT, NEW, loaded, prompts, together  # noqa: F401 (the fixture)
+from tiny import MODEL_TYPES
+
+
+def test_a_row_view_is_the_pool_row():
+    """A view reads and writes the pool's memory, rows [i, i + count), and refuses rows outside it."""
+    pool = allocate([4, 3, 5], np.float32, "cpu", 0.0)
+    views = Views()
+    v = views.rows(pool, 2)
+    assert v.shape() == [1, 3, 5] and v.data_ptr() == pool.data_ptr() + 2 * 3 * 5 * 4
+    v.update_inplace(np.ones((1, 3, 5), np.float32))
+    assert pool.numpy()[:, 0, 0].tolist() == [0, 0, 1, 0]
+    pool.numpy()[3] = 7
+    assert views.rows(pool, 2, 2).numpy()[1, 2, 4] == 7
+    with pytest.raises(Exception, match="rows 3..5 of a tensor of 4"):
+        views.rows(pool, 3, 2)
+
+
+@pytest.mark.parametrize("quant", ["none", "int4"])
+@pytest.mark.parametrize("arch", MODEL_TYPES)
+def test_pooled_steps_equal_alone(arch, quant, loaded):
+    """5 prompts on 3 pooled slots (two join mid-run), plain greedy, then with n-gram drafts (verifies run on the
+    batched graph, plain steps pooled, over the same buffers), then sampled: every token list equals its run
+    alone on one pooled slot, and the plain steps ran pooled."""
+    t = loaded(arch, quant)
+
+    def alone(prompt, drafter=None, **kw):
+        with Batch(t, drafter, parallel=1, context=CONTEXT, pooled=True) as b:
+            return together(b, [prompt], **kw)[0]
+
+    if batchable(t) is not None:
+        pytest.skip(f"not batchable: {batchable(t)}")
+    ps = prompts(t.vocab_size, 5, seed=len(arch) + 1)
+    kw = dict(max_new_tokens=NEW, stop_at_eos=False)
+    with Batch(t, parallel=3, context=CONTEXT, pooled=True) as b:
+        got = together(b, ps, **kw)
+        plain = b.scheduler.counters.pooled_forwards
+    for i, p in enumerate(ps):
+        assert got[i] == alone(p, **kw), f"prompt {i} differs from its run alone"
+    assert plain >= NEW, b.scheduler.counters
+    with Batch(t, "ngram", parallel=3, context=CONTEXT, pooled=True) as b:
+        got = together(b, ps, draft_max=3, **kw)
+    for i, p in enumerate(ps):
+        assert got[i] == alone(p, "ngram", draft_max=3, **kw), f"prompt {i} (n-gram) differs from its run alone"
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, seed=20 + i) for i in range(3)]
+    with Batch(t, parallel=3, context=CONTEXT, pooled=True) as b:
+        seqs = [b.submit(p, sampling=s, **kw) for p, s in zip(ps, sampled)]
+        got = [[tok for e in s for tok in e.tokens] for s in seqs]
+    for i, (p, s) in enumerate(zip(ps, sampled)):
+        assert got[i] == alone(p, sampling=s, **kw), f"sampled prompt {i} differs from its run alone"
+
+
+def test_a_free_slot_whose_state_a_pooled_step_overwrote_starts_empty(loaded):
+    """Slot 0 ends its sequence early while slot 1 decodes on: the pooled steps run slot 0's row too and overwrite its
+    recurrent state. A prompt that extends slot 0's last text exactly (which a slot would resume from) then starts
+    from an empty state, prefills everything, and gets its tokens alone; slot 1 loses nothing."""
+    t = loaded("qwen3_5")
+    a, b = prompts(t.vocab_size, 2, seed=3)
+
+    def tokens_and_last(seq):
+        events = list(seq)
+        return [tok for e in events for tok in e.tokens], events[-1]
+
+    with Batch(t, parallel=2, context=CONTEXT, pooled=True, stepping="threads") as batch:
+        first = batch.submit(a, max_new_tokens=2, stop_at_eos=False)  # slot 0
+        second = batch.submit(b, max_new_tokens=NEW, stop_at_eos=False)  # slot 1
+        got_a, _ = tokens_and_last(first)
+        got_b, _ = tokens_and_last(second)
+        ctx = batch.pairs[0].tctx
+        assert ctx.vacant and ctx.n_past == 0, "slot 0 kept a state the pooled steps overwrote"
+        again = a + got_a + [5, 6]
+        got_again, last = tokens_and_last(batch.submit(again, max_new_tokens=8, stop_at_eos=False))
+        assert last.stats.prompt_reused == 0
+    with Batch(t, parallel=1, context=CONTEXT, pooled=True) as solo:
+        assert got_b == together(solo, [b], max_new_tokens=NEW, stop_at_eos=False)[0]
+        assert got_again == together(solo, [again], max_new_tokens=8, stop_at_eos=False)[0]
