@@ -47,8 +47,7 @@ from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result
 from .runners.batched_captured import CapturedBatch
 from .runners.batched_head import BatchedHead, HeadCall, head_batchable
-from .runners.pooled import PooledRunner
-from .state.pool import StatePool
+from .pooled_steps import PooledSteps
 
 log = logging.getLogger("snapspec")
 
@@ -110,10 +109,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
         self._live = 0
-        self.pool = StatePool(pool, model.device) if pool else None
-        self._busy: dict[int, int] = {}  # pool slot -> sequences running on it (join(ctx))
-        self._unpooled = 0  # sequences running that joined without a pooled context: no pooled steps then
-        self._pooled: PooledRunner | None = None
+        self.pooled = PooledSteps(self, pool) if pool else None  # the slot-major path (pooled_steps.py)
         self._closed = False
         self._poked = False
         self.steps = stepping.Steps()  # sequences stepped in this scheduler's thread (Batch(stepping="one"))
@@ -127,8 +123,8 @@ class Scheduler:
         if ctx.model is not self.model:
             raise SnapspecError("a scheduler runs the contexts of its own model")
         ctx.batch = self
-        if self.pool is not None:
-            self.pool.adopt(ctx)
+        if self.pooled is not None:
+            self.pooled.pool.adopt(ctx)
         self._rows = max(self._rows, self._short(ctx))
         if drafter is not None and drafter.extras.batched is not None and self.batches_heads():
             drafter.extras.batched(self)
@@ -154,23 +150,15 @@ class Scheduler:
         scheduler waits for its forwards from now on."""
         with self._cv:
             self._live += 1
-            slot = getattr(ctx, "pool_slot", None)
-            if slot is None:
-                self._unpooled += 1
-            else:
-                self._busy[slot] = self._busy.get(slot, 0) + 1
+            if self.pooled is not None:
+                self.pooled.joined(ctx)
 
     def leave(self, ctx=None) -> None:
         """A sequence ended (finished, cancelled, failed): the others stop waiting for it."""
         with self._cv:
             self._live -= 1
-            slot = getattr(ctx, "pool_slot", None)
-            if slot is None:
-                self._unpooled -= 1
-            else:
-                self._busy[slot] -= 1
-                if not self._busy[slot]:
-                    del self._busy[slot]
+            if self.pooled is not None:
+                self.pooled.left(ctx)
             self._cv.notify_all()
 
     @property
@@ -315,7 +303,7 @@ class Scheduler:
         counters = self.head_counters if head else self.counters
         try:
             calls = [p.call for p in group]
-            if not head and not group[0].alone and self._pooled_step(group):
+            if not head and not group[0].alone and self.pooled is not None and self.pooled.step(group):
                 return
             captured = self._captured(calls) if not head and not group[0].alone else None
             if captured is None and len(group) == 1:
@@ -343,47 +331,6 @@ class Scheduler:
             if p.done is not None:
                 p.done.set()
 
-    def _pooled_step(self, group: list[_Pending]) -> bool:
-        """Run the group as one pooled step where it can be one (runners/pooled.py): every call one token, from a
-        pooled context that wants no hidden rows, and every running sequence among them (an idle slot's row runs
-        too, so no running sequence may be left out). Returns whether it ran."""
-        calls = [p.call for p in group]
-        if self.pool is None or self._unpooled or any(
-                len(c.ids) != 1 or c.keep != 1 or c.ctx.pool_slot is None or c.ctx.hidden for c in calls):
-            return False
-        slots = {c.ctx.pool_slot for c in calls}
-        if len(slots) < len(calls) or not set(self._busy) <= slots:
-            return False
-        k = _parity(calls)
-        runner = self._pooled_runner()
-        for p, r in zip(group, runner.forward(calls, k, any(c.logits for c in calls))):
-            p.result, r.keys = r, p.call.keys
-        n = self.pool.rows_for(max(slots) + 1)
-        c = self.counters
-        c.forwards += 1
-        c.pooled_forwards += 1
-        c.captured_forwards += runner.graphs is not None
-        c.batched_forwards += len(group) > 1
-        c.rows += n
-        c.padded_rows += n - len(calls)
-        c.sequences += len(group)
-        for p in group:
-            if p.done is not None:
-                p.done.set()
-        return True
-
-    def _pooled_runner(self) -> PooledRunner:
-        with self._lock:
-            if self._pooled is None:
-                if "forward" not in self._weights:
-                    from .head import external_values
-                    self._weights["forward"] = external_values(self.model.manifest, "forward", ep=self.model.ep)
-                captured = self.model.device == "cuda" and bool(self.graphs)
-                session = batched_session(self.model, self.pool.capacity, self._weights["forward"], cuda_graph=captured,
-                                          pooled=True)
-                self._pooled = PooledRunner(self.model, self.pool, session, captured)
-            return self._pooled
-
     def _captured(self, calls: list[Call]) -> CapturedBatch | None:
         """The fixed-address runner for these target calls (short ones: a group never mixes in a prefill chunk),
         where the scheduler has graphs and they fit: at most `graphs` rows, and a key the runner has, or room for one
@@ -408,20 +355,6 @@ class Scheduler:
                 log.info("%s graph for %d sequences%s ready in %.1f s", graph, n, " (captured)" * captured,
                          time.monotonic() - started)
             return self._runners[graph, n, captured]
-
-
-def _parity(calls: list[Call]) -> int:
-    """The replay slot every pooled context of a step stands at: the majority's; the others move their state there
-    (flip, as _aligned does). 0 for models without recurrent state."""
-    stores = [c.ctx.recurrent for c in calls if c.ctx.recurrent is not None]
-    if not stores:
-        return 0
-    k = int(2 * sum(s.cur for s in stores) > len(stores))
-    for c in calls:
-        if c.ctx.recurrent is not None and c.ctx.recurrent.cur != k:
-            c.ctx.recurrent.flip()
-            c.keys = c.ctx.keys()
-    return k
 
 
 def _aligned(calls: list[Call]) -> None:

@@ -11,8 +11,8 @@ lengths given per row (batched_graph.pooled): one attention node and one recurre
   running runs too: its token is 0 at its own position; its attention writes one KV row past its state (rows a
   cache never reads before writing them), and its store's slot 1 - k is overwritten, which the store forgets
   (`overwritten`); where that was its live state, the context forgets what it held (`Context.forget`: the next
-  sequence on the slot starts from an empty state instead of resuming) and later steps leave it alone. The scheduler runs this path only when every running
-  sequence steps (scheduler.py).
+  sequence on the slot starts from an empty state instead of resuming) and later steps leave it alone. The
+  scheduler runs this path only when every running sequence steps (pooled_steps.py).
 - The replay store's two slots are the pool's two recurrent buffers: a step reads buffer k and writes 1 - k for all
   rows, so every row must stand at slot k. Sequences in the minority move their state over first (`flip`, a device
   copy), as the scheduler's batched CUDA graphs do (scheduler._aligned).
