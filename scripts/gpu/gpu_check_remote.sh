@@ -105,18 +105,19 @@ PY
       python3 benchmarks/checkpoints.py qwen35-4b $ck --device cuda 2>&1 | tail -2; fi
     python3 -m snapspec export $ck -o /tmp/gc/x-$shape --dtype fp16 --no-mtp --max-context 2048 2>&1 | tail -2
     if [ $cmd = poolbatch ]; then  # 16 x NEW tokens together against one at a time, pooled steps on and off
-      for pl in on off; do  # first the decode step at 1 and 16 sequences (batch_step_profile.py)
+      for pl in $([ -z "${SKIP_STEP:-}" ] && echo on off); do  # first the decode step at 1 and 16 (batch_step_profile)
         timeout 200 python3 benchmarks/batch_step_profile.py --ep cuda --target /tmp/gc/x-$shape --parallel 1,16 \
           --new 64 --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl 2>&1 | grep '^{' |
           tee -a $out/poolbatch-step-$shape.txt
       done
       [ -n "${STEP_ONLY:-}" ] && continue
-      for rep in 1 2; do for pl in on off; do
-        timeout 250 python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
-          --new ${NEW:-$new} --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl --reps 1 \
-          --json $out/poolbatch-$shape-$pl-$rep.json 2>&1 | grep '^rep' | sed "s/^/pooled=$pl /" |
-          tee -a $out/poolbatch-$shape.txt
-      done; done
+      for pl in on off; do
+        timeout 280 python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
+          --new ${NEW:-$new} --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl --reps 2 \
+          --json $out/poolbatch-$shape-$pl.json > $out/poolbatch-$shape-$pl.log 2>&1
+        echo "pooled=$pl exit $?" | tee -a $out/poolbatch-$shape.txt
+        grep '^rep' $out/poolbatch-$shape-$pl.log | sed "s/^/pooled=$pl /" | tee -a $out/poolbatch-$shape.txt
+      done
       continue
     fi
     if [ $cmd = pooled ]; then  # one forward over slot-major state (scripts/gpu/pooled_probe.py) against today's

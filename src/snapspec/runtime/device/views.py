@@ -3,8 +3,8 @@
 onnxruntime's Python API allocates OrtValues but does not make one at an address; DLPack does (`OrtValue.from_dlpack`
 shares the memory a DLPack tensor describes, on the CPU and on CUDA). A view here is such a tensor built by hand over
 rows [i, i + rows) of a value's first axis, which are contiguous: the view is an ordinary OrtValue to everything that
-binds, copies or reads it. It owns nothing: the Views object keeps the DLPack structs (onnxruntime calls no deleter:
-there is none) and the values the views look into alive for as long as it lives.
+binds, copies or reads it. It owns nothing: the Views object keeps the DLPack structs (onnxruntime calls their deleter,
+a no-op) and the values the views look into alive for as long as it lives.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class _Managed(ctypes.Structure):
 
 _DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_Managed))
 _Managed._fields_ = [("dl_tensor", _Tensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+# onnxruntime 1.31 requires a deleter (its absence throws when the view is destroyed: an abort); the structs are
+# Python's, freed with their Views, so the deleter does nothing. Module-level: it outlives every view.
+_KEEP = _DELETER(lambda managed: None)
 
 _capsule = ctypes.pythonapi.PyCapsule_New
 _capsule.restype = ctypes.py_object
@@ -68,7 +71,7 @@ class Views:
         managed = _Managed()
         managed.dl_tensor = _Tensor(value.data_ptr() + first * row, _Device(_DEVICES[device], 0), len(dims),
                                     _DataType(code, bits, 1), shape, None, 0)
-        managed.deleter = _DELETER()  # none: this object owns the struct
+        managed.deleter = _KEEP
         self._kept.append((value, managed, shape))
         capsule = _capsule(ctypes.addressof(managed), b"dltensor", None)
         try:
