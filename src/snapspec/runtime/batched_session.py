@@ -54,3 +54,23 @@ def batched_session(model, n: int, weights: dict | None = None, graph: str = "fo
                             "batched CUDA graphs bind once (runners/batched_captured.py): run without graphs")
     return open_like(model, proto.SerializeToString(), path, weights, spin=False if head else None,
                      cuda_graph=cuda_graph)
+
+
+def batchable(model) -> str | None:
+    """Why this loaded model cannot run several sequences in one forward, or None."""
+    m = model.manifest
+    if model.state_window is not None:
+        return "it runs the state-window graph (load it with the replay rollback: the forward graph)"
+    if m.data["graphs"]["forward"].get("position_rows", 1) > 1:
+        return "its graph takes several rows of positions (an onnxruntime-genai folder)"
+    if any(s["shape"][0] != "batch" for s in m.state):
+        return "its state tensors have no batch axis"
+    if any(s["role"] == "swa_key" for s in m.state):
+        return ("its sliding-window layers place their window by the batch's common past length "
+                "(export/blocks/sliding.py), so sequences of different lengths cannot share a forward; serve it with "
+                "--parallel 1")
+    export = m.data["export"]
+    if model.device == "cpu" and export.get("quant") == "int4" and export.get("int4_accuracy_level") == 1:
+        return ("its int4 MatMulNBits run at accuracy level 1, whose rows on CPU depend on how many run together "
+                "(docs/exactness.md, \"Along the batch axis\"); serve it with --parallel 1")
+    return None

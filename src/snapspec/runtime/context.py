@@ -199,9 +199,9 @@ class Context:
         to this sequence they are a rejected draft."""
         keys, t = self.keys(), len(ids)
         r = self.batch.forward(self, ids, keep, logits, keys)
-        if isinstance(r, tuple):  # ran alone on the bound runner
-            outs, best, rows = r
-            self.advance(keys, ids[None], outs)
+        if isinstance(r, tuple):  # ran alone on the bound runner, from the keys it has now (the scheduler may have
+            outs, best, rows = r  # moved its state: pooled_steps.py)
+            self.advance(self.keys(), ids[None], outs)
             return Rows(best, rows if logits else None, hidden=self._hidden_rows(outs))
         self.advance(keys if r.keys is None else r.keys, r.ids[None], r.outs)
         if len(r.ids) > t:

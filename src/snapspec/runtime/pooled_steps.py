@@ -16,6 +16,10 @@ state over first (ReplayState.flip), as for the batched CUDA graphs (scheduler._
 
 from __future__ import annotations
 
+import threading
+
+from snapspec import SnapspecError
+
 from .batched_session import batched_session
 from .runners.batched import Call
 from .runners.pooled import PooledRunner
@@ -27,40 +31,61 @@ class PooledSteps:
         self.scheduler = scheduler
         self.pool = StatePool(capacity, scheduler.model.device)
         self.busy: dict[int, int] = {}  # pool slot -> sequences running on it
-        self.unpooled = 0  # sequences running that joined without a pooled context
+        # held by a step from choosing its rows to forgetting the idle ones, and by join: a sequence that takes a
+        # free slot while a step overwrites it waits for the step, then finds the slot forgotten (Context.vacant)
+        self.lock = threading.Lock()
         self.runner: PooledRunner | None = None
 
     def joined(self, ctx) -> None:
         slot = getattr(ctx, "pool_slot", None)
         if slot is None:
-            self.unpooled += 1
-        else:
+            raise SnapspecError("a scheduler with a state pool runs only the contexts it pooled (attach them first)")
+        with self.lock:
             self.busy[slot] = self.busy.get(slot, 0) + 1
 
     def left(self, ctx) -> None:
-        slot = getattr(ctx, "pool_slot", None)
-        if slot is None:
-            self.unpooled -= 1
-        else:
+        slot = ctx.pool_slot
+        with self.lock:
             self.busy[slot] -= 1
             if not self.busy[slot]:
                 del self.busy[slot]
 
-    def step(self, group: list) -> bool:
-        """Run the group (the scheduler's pending forwards) as one pooled step where it can be one (module doc);
-        returns whether it ran."""
+    def run(self, todo: list) -> tuple[list, list]:
+        """Run the pooled step of the scheduler's pending forwards (module doc). Returns the others, to run after
+        it, and the plain steps that wait for the next step: where a running sequence's forward is not among them
+        (it joined since the scheduler stopped waiting for all), they run with it then, never on another path."""
+        mine = [p for p in todo if not p.head and _plain(p.call)]
+        if not mine:
+            return todo, []
+        rest = [p for p in todo if not any(p is q for q in mine)]
+        with self.lock:
+            if not set(self.busy) <= {p.call.ctx.pool_slot for p in todo if not p.head}:
+                return rest, mine
+            try:
+                self._step(mine, [p.call for p in rest if not p.head])
+            except BaseException as exc:  # every waiting sequence hears of it; the scheduler goes on
+                for p in mine:
+                    p.error = exc if isinstance(exc, SnapspecError) else SnapspecError(f"pooled forward failed: {exc}")
+        for p in mine:
+            if p.done is not None:
+                p.done.set()
+        return rest, []
+
+    def _step(self, group: list, others: list[Call]) -> None:
+        """One pooled step of the group's calls. The other running sequences' calls (verifies, prefill chunks, run
+        after it) have their rows in it too: their live state moves to slot k first, so that the step overwrites
+        only their other slot, which their pending forward does not read."""
         calls = [p.call for p in group]
-        if self.unpooled or any(len(c.ids) != 1 or c.keep != 1 or c.ctx.pool_slot is None or c.ctx.hidden
-                                for c in calls):
-            return False
-        slots = {c.ctx.pool_slot for c in calls}
-        if len(slots) < len(calls) or not set(self.busy) <= slots:
-            return False
         k = parity(calls)
+        n = self.pool.rows_for(max(c.ctx.pool_slot for c in calls) + 1)
+        inside = [c for c in others if c.ctx.pool_slot < n]
+        for c in inside:
+            if c.ctx.recurrent is not None and c.ctx.recurrent.cur != k:
+                c.ctx.recurrent.flip()
+                c.keys = c.ctx.keys()
         runner = self._runner()
-        for p, r in zip(group, runner.forward(calls, k, any(c.logits for c in calls))):
+        for p, r in zip(group, runner.forward(calls, k, any(c.logits for c in calls), busy=inside)):
             p.result, r.keys = r, p.call.keys
-        n = self.pool.rows_for(max(slots) + 1)
         c = self.scheduler.counters
         c.forwards += 1
         c.pooled_forwards += 1
@@ -69,10 +94,6 @@ class PooledSteps:
         c.rows += n
         c.padded_rows += n - len(calls)
         c.sequences += len(group)
-        for p in group:
-            if p.done is not None:
-                p.done.set()
-        return True
 
     def _runner(self) -> PooledRunner:
         s = self.scheduler
@@ -87,6 +108,11 @@ class PooledSteps:
                                           pooled=True)
                 self.runner = PooledRunner(model, self.pool, session, captured)
             return self.runner
+
+
+def _plain(call: Call) -> bool:
+    """A one-token step of a pooled context that keeps one row and wants no hidden rows: always pooled."""
+    return len(call.ids) == 1 and call.keep == 1 and call.ctx.pool_slot is not None and not call.ctx.hidden
 
 
 def parity(calls: list[Call]) -> int:

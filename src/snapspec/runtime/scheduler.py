@@ -4,10 +4,10 @@ Each sequence runs its own Generator on a context of its own, in a thread of its
 with stepping="threads") or as a greenlet in the scheduler's thread (stepping.py: a Batch's default); a context
 attached here (`attach`) hands each forward to the scheduler and waits for its result (a stepped sequence switches
 back to the scheduler's loop, which resumes it after the forward), so the Generator, its drafter, its rollback and
-its sampling are the ones a sequence alone runs. The scheduler waits until
-every sequence that has joined has a forward pending (or `patience` has passed since the first: a sequence busy
-elsewhere does not stall the others for long), then runs them:
+its sampling are the ones a sequence alone runs. The scheduler waits until every sequence that has joined has a
+forward pending (or `patience` has passed since the first; with a state pool, no patience), then runs them:
 
+- with a state pool (pool=N: pooled_steps.py), the one-token steps first, as one forward of the export's graph;
 - calls of a few tokens (one-token steps, verifies of up to the rollback window) run as one forward, padded on the
   right to the longest (runners/batched.py). A padded row is a rejected draft to its sequence: its context rolls it
   back (replay for the recurrent state, a shorter mask for KV). A context that cannot roll back inside one forward
@@ -41,7 +41,7 @@ import numpy as np
 
 from snapspec import SnapspecError
 
-from .batched_session import batched_session
+from .batched_session import batchable, batched_session  # noqa: F401 (batchable: also imported from here)
 from . import stepping
 from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result
@@ -253,7 +253,8 @@ class Scheduler:
                     if self._pending:
                         first = first or time.monotonic()
                         waited = time.monotonic() - first
-                        if len(self._pending) >= self._live or waited >= self.patience or self._closed:
+                        patient = waited >= self.patience and self.pooled is None  # pooled: wait for all (pooled_steps)
+                        if len(self._pending) >= self._live or patient or self._closed:
                             break
                         self._cv.wait(self.patience - waited)
                     else:
@@ -268,10 +269,15 @@ class Scheduler:
                     todo, self._pending = heads, [p for p in todo if not p.head]
                 else:
                     self._pending = []
+            rest, later = (todo, []) if self.pooled is None else self.pooled.run(todo)  # pooled first (pooled_steps)
+            if later:
+                todo = [p for p in todo if not any(p is q for q in later)]
+                with self._cv:
+                    self._pending = later + self._pending
             try:
-                groups = self._groups(todo)
+                groups = self._groups(rest)
             except BaseException as exc:  # never leave a sequence waiting
-                groups = [[p] for p in todo]
+                groups = [[p] for p in rest]
                 log.error("grouping forwards failed (%s): running them one by one", exc)
             for group in groups:
                 self._run(group)
@@ -303,8 +309,6 @@ class Scheduler:
         counters = self.head_counters if head else self.counters
         try:
             calls = [p.call for p in group]
-            if not head and not group[0].alone and self.pooled is not None and self.pooled.step(group):
-                return
             captured = self._captured(calls) if not head and not group[0].alone else None
             if captured is None and len(group) == 1:
                 c = calls[0]
@@ -377,23 +381,3 @@ def _aligned(calls: list[Call]) -> None:
             if c.keys[i] != want:
                 c.ctx.stores[i].flip()
                 c.keys = c.ctx.keys()
-
-
-def batchable(model) -> str | None:
-    """Why this loaded model cannot run several sequences in one forward, or None."""
-    m = model.manifest
-    if model.state_window is not None:
-        return "it runs the state-window graph (load it with the replay rollback: the forward graph)"
-    if m.data["graphs"]["forward"].get("position_rows", 1) > 1:
-        return "its graph takes several rows of positions (an onnxruntime-genai folder)"
-    if any(s["shape"][0] != "batch" for s in m.state):
-        return "its state tensors have no batch axis"
-    if any(s["role"] == "swa_key" for s in m.state):
-        return ("its sliding-window layers place their window by the batch's common past length "
-                "(export/blocks/sliding.py), so sequences of different lengths cannot share a forward; serve it with "
-                "--parallel 1")
-    export = m.data["export"]
-    if model.device == "cpu" and export.get("quant") == "int4" and export.get("int4_accuracy_level") == 1:
-        return ("its int4 MatMulNBits run at accuracy level 1, whose rows on CPU depend on how many run together "
-                "(docs/exactness.md, \"Along the batch axis\"); serve it with --parallel 1")
-    return None

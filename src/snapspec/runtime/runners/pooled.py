@@ -63,13 +63,16 @@ class PooledRunner:
         self._rollback_rows: list = []  # views of its rows, the slots' replay stores read
         self._pinned: list = []
 
-    def forward(self, calls: list[Call], k: int, logits: bool) -> list[Result]:
-        """One step of the pool's first n slots (n: the highest slot among calls + 1); every call one token from its
-        context's position, its recurrent state at slot k; logits: whether any call wants them on the host."""
+    def forward(self, calls: list[Call], k: int, logits: bool, busy: list[Call] = ()) -> list[Result]:
+        """One step of the pool's first n slots; every call one token from its context's position, its recurrent
+        state at slot k; logits: whether any call wants them on the host. busy: the calls of other running
+        sequences below the highest slot of calls, which run after this step: their rows run idle here, from their
+        state at slot k (the scheduler moved it there), and keep it."""
         pool = self.pool
         by_slot = {c.ctx.pool_slot: c for c in calls}
+        running = {c.ctx.pool_slot for c in busy}
         n = pool.rows_for(max(by_slot) + 1)
-        idle = [pool.contexts[i] for i in range(min(n, len(pool.contexts))) if i not in by_slot]
+        idle = [pool.contexts[i] for i in range(min(n, len(pool.contexts))) if i not in by_slot and i not in running]
         ids, starts = np.zeros(n, np.int64), np.zeros(n, np.int64)
         for i in range(n):
             c = by_slot.get(i)
