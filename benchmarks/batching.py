@@ -65,6 +65,9 @@ def main(argv=None) -> int:
     p.add_argument("--pooled", choices=["on", "off"], default="off",
                    help="on: the slots' state as rows of one pool, plain steps one forward of the export's graph "
                         "(Scheduler(pool=N), runners/pooled.py)")
+    p.add_argument("--alone", choices=["generator", "batch"], default="generator",
+                   help="one at a time: a Generator on one Pair (default), or a Batch of one slot on the same path "
+                        "as together (with --pooled on: the pooled step at n = 1, whose tokens together must equal)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
@@ -98,20 +101,36 @@ def main(argv=None) -> int:
         print(f"cost model: C(1..{len(costs.C)}) = {[round(x, 2) for x in costs.C]}, c = {costs.c:.3f}, "
               f"r = {costs.r:.3f}" if costs else "cost model: none", flush=True)
 
+    solo = Batch(target, drafter, parallel=1, context=context, stepping=a.stepping,
+                 scheduler=Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs,
+                                     pool=1 if a.pooled == "on" else 0)) if a.alone == "batch" else None
+
+    def run_alone(ids):
+        """One prompt alone: its tokens, as they come."""
+        if solo is None:
+            pair.reset()
+            yield from Generator(target, ids, pair=pair, **kw)
+        else:
+            solo.pairs[0].reset()
+            for e in solo.submit(ids, **kw):
+                if e.error is not None:
+                    raise e.error
+                if e.tokens:
+                    yield e.tokens
+
     def sequential():
         out, ttft = [], []
         start = time.perf_counter()
         decode = [0, 0.0]  # tokens after each prompt's first, and their seconds
         for ids in prompts:
-            pair.reset()
             t0 = time.perf_counter()
-            gen = Generator(target, ids, pair=pair, **kw)
-            first = None
-            for _ in gen:
+            first, tokens = None, []
+            for new in run_alone(ids):
                 first = first or time.perf_counter() - t0
-            decode[0] += len(gen.tokens) - 1
+                tokens += list(new)
+            decode[0] += len(tokens) - 1
             decode[1] += time.perf_counter() - t0 - first
-            out.append(gen.tokens)
+            out.append(tokens)
             ttft.append(first)
         return out, time.perf_counter() - start, ttft, decode[0] / decode[1]
 
@@ -175,8 +194,11 @@ def main(argv=None) -> int:
             return 1
     batch.close()
     scheduler.close()
+    if solo is not None:
+        solo.close()
+        solo.scheduler.close()
     result = {"cpu": cpu(), "ep": a.ep, "target": str(a.target), "drafter": a.drafter, "parallel": a.parallel,
-              "stepping": batch.stepping, "head_batching": a.head_batching, "graphs": a.graphs, "pooled": a.pooled,
+              "stepping": batch.stepping, "head_batching": a.head_batching, "graphs": a.graphs, "pooled": a.pooled, "alone": a.alone,
               "prompts": len(prompts), "new": a.new, "threads": a.threads, "draft_max": a.draft_max, "runs": runs,
               "ratio_median": sorted(r["ratio"] for r in runs)[len(runs) // 2]}
     print(f"CPU: {result['cpu']}")

@@ -111,10 +111,10 @@ PY
           tee -a $out/poolbatch-step-$shape.txt
       done
       [ -n "${STEP_ONLY:-}" ] && continue
-      for pl in on off; do
+      for pl in ${POOLED_MODES:-on off}; do
         timeout 280 python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
           --new ${NEW:-$new} --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl --reps 2 \
-          --json $out/poolbatch-$shape-$pl.json > $out/poolbatch-$shape-$pl.log 2>&1
+          --alone ${ALONE:-generator} --json $out/poolbatch-$shape-$pl.json > $out/poolbatch-$shape-$pl.log 2>&1
         echo "pooled=$pl exit $?" | tee -a $out/poolbatch-$shape.txt
         grep '^rep' $out/poolbatch-$shape-$pl.log | sed "s/^/pooled=$pl /" | tee -a $out/poolbatch-$shape.txt
       done
