@@ -15,7 +15,8 @@ cd "$(mktemp -d)"  # run outside the checkout, so `import snapspec` finds the in
 python3 -m snapspec.cli.main doctor 2>&1 | tee "$out/doctor.txt"
 python3 -m pytest "$repo/tests/runtime/test_gpu.py" -q -rs 2>&1 | tee "$out/test_gpu.txt"
 # MTP drafting on CUDA (the head chained on the device), alone and between n-gram lookup rounds (ngram+mtp)
-python3 -m pytest "$repo/tests/runtime/test_mtp.py" "$repo/tests/runtime/test_ngram_mtp.py" -k cuda -q -rs -p no:xdist \
+python3 -m pytest "$repo/tests/runtime/test_mtp.py" "$repo/tests/runtime/test_ngram_mtp.py" "$repo/tests/runtime/test_pooled.py" \
+  -k cuda -q -rs -p no:xdist \
   2>&1 | tee "$out/test_mtp_cuda.txt"
 [ -n "$pair" ] || exit 0
 for ep in cuda webgpu; do
