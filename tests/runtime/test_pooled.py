@@ -117,3 +117,52 @@ def test_pooled_steps_on_cuda(arch, tiny_export):
         with Batch(t, drafter, parallel=1, context=CONTEXT) as solo:
             for i, p in enumerate(ps):
                 assert got[i] == together(solo, [p], **kw, **extra)[0], f"{drafter}: prompt {i} differs alone"
+
+
+@pytest.mark.parametrize("keep_free", [True, False])
+def test_a_free_slot_keeps_its_state_where_the_pool_keeps_it(keep_free, loaded):
+    """Slot 0 decodes, then waits free while slot 1 decodes alone (pooled steps of two rows: slot 0's idle). With
+    keep_free (a server's pool), slot 0's sequence then goes on exactly as if nothing ran beside it (its logits equal,
+    bit for bit, a one-slot pool's that ran it without the pause); without, it has forgotten its state."""
+    from snapspec.runtime import Pair
+
+    t = loaded("qwen3_5")
+    a, b = prompts(t.vocab_size, 2, seed=5)
+
+    def decode(ctx, first, n):
+        ids, rows = [first], []
+        for _ in range(n):
+            r = ctx.forward([ids[-1]], keep=1)
+            rows.append(r.logits)
+            ids.append(int(r.ids[-1]))
+        return ids, rows
+
+    ref = Scheduler(t, pool=1)
+    pair = Pair(t, None, length=CONTEXT)
+    ref.attach(pair.tctx)
+    ref.join(pair.tctx)
+    first = int(pair.tctx.prefill(a).ids[-1])
+    want_ids, want = decode(pair.tctx, first, 10)
+    ref.close()
+
+    s = Scheduler(t, pool=2, keep_free=keep_free)
+    pairs = [Pair(t, None, length=CONTEXT) for _ in range(2)]
+    for p in pairs:
+        s.attach(p.tctx)
+    ctx0, ctx1 = (p.tctx for p in pairs)
+    s.join(ctx0)
+    ids, rows = decode(ctx0, int(ctx0.prefill(a).ids[-1]), 4)
+    s.leave(ctx0)
+    s.join(ctx1)
+    decode(ctx1, int(ctx1.prefill(b).ids[-1]), 6)
+    s.leave(ctx1)
+    assert s.counters.pooled_forwards >= 10
+    if not keep_free:
+        assert ctx0.vacant
+        s.close()
+        return
+    s.join(ctx0)
+    more_ids, more = decode(ctx0, ids[-1], 6)
+    s.close()
+    assert ids + more_ids[1:] == want_ids
+    assert all(np.array_equal(x, y) for x, y in zip(rows + more, want)), "slot 0's state changed while it waited"

@@ -133,3 +133,33 @@ def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path, drafter):
     # every head forward went through the scheduler (runners/batched_head.py); whether two met is timing
     assert m["snapspec_batch_head_forwards_total"] > 0
     assert m["snapspec_batch_head_rows_total"] >= m["snapspec_batch_head_forwards_total"]
+
+
+def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
+    """`--parallel 3 --pooled on` (on CPU only when asked: runtime/pooled_steps.py): 5 conversations at once, the
+    plain steps pooled, each reply equal to its run on one pooled slot of a Batch; then a conversation's next turn on
+    the slot that kept it (a free slot's state survives the pooled steps beside it) reuses its prompt."""
+    from snapspec.runtime import load
+    from snapspec.runtime.batch import Batch
+
+    model = load(target, threads=1)
+    conversations = [[{"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(5)]
+    with serving(tmp_path / "server.log", target, *FLAGS, "--parallel", "3", "--pooled", "on") as server:
+        assert "plain steps pooled over the slots' state" in server["log"].read_text()
+        client, replies = openai_client(server), {}
+
+        def ask(i: int) -> None:
+            r = client.chat.completions.create(model=server["model"], messages=conversations[i])
+            replies[i] = r.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        m = metrics(server)
+    assert m["snapspec_batch_pooled_forwards_total"] > 0
+    with Batch(model, parallel=1, pooled=True) as solo:
+        for i, messages in enumerate(conversations):
+            alone = solo.generate([messages], max_new_tokens=12)[0]
+            assert replies[i] == alone, f"request {i} together differs from its pooled run alone"

@@ -59,6 +59,10 @@ def add_parser(sub, runtime_flags):
                    help="with --parallel > 1, who runs each request's Python between forwards: one, the scheduler's "
                         "thread (each request a greenlet there: no thread wakes per step); threads, a thread each; "
                         "auto (default): one, unless the drafter is a model (its forwards overlap in threads)")
+    p.add_argument("--pooled", choices=["auto", "on", "off"], default="auto",
+                   help="with --parallel > 1, the slots' state as rows of one pool and the plain steps of the running "
+                        "requests one forward of the export's graph (docs/batching.md, slot-major state; default "
+                        "auto: on with CUDA graphs, --ep cuda --cuda-graph N)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip the start-up run of the largest forwards (each onnxruntime session's memory then grows "
                         "to its peak over the first requests instead of at start; served output is the same)")
@@ -248,7 +252,7 @@ def run(args) -> int:
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
                     raw=args.no_chat_template, defaults=defaults, max_tokens_cap=args.max_tokens_cap,
                     max_queue=args.max_queue, cache_ram=args.cache_ram, parallel=args.parallel,
-                    warm=not args.no_warm_up, stepping=args.stepping)
+                    warm=not args.no_warm_up, stepping=args.stepping, pooled=args.pooled)
     key = lifecycle.api_key(args)
     sock = lifecycle.listen(args.host, args.port)
     host, port = sock.getsockname()[:2]

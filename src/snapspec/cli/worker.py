@@ -56,12 +56,14 @@ class Worker(lifecycle.Admission):
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
                  max_tokens_cap: int | None = None, max_queue: int | None = None, cache_ram: int = 0,
-                 parallel: int | str = 1, warm: bool = True, stepping: str = "auto"):
+                 parallel: int | str = 1, warm: bool = True, stepping: str = "auto", pooled: str = "auto"):
         """parallel: slots (requests decoded together), or "auto" (PARALLEL_AUTO where the model batches, else
         1: `parallel_note` says why). warm: run the largest forwards once before the first request, then empty the
         contexts (runtime/warm.py: memory reaches its peak at start; served output is unchanged). stepping: who runs
         a job's Python with N > 1, as Batch(stepping=...) (runtime/stepping.py): "one", the scheduler's thread
-        (each job a greenlet there); "threads", a thread each; "auto", one unless a slot drafts with a model."""
+        (each job a greenlet there); "threads", a thread each; "auto", one unless a slot drafts with a model.
+        pooled: "on", the slots' state slot-major and the plain steps one forward (runtime/pooled_steps.py); "auto",
+        on where the target replays CUDA graphs; "off"."""
         from snapspec.runtime.adaptive import SharedForwards
         from snapspec.runtime.chat import PromptCache
         from snapspec.runtime.prefix_cache import PrefixCache
@@ -84,7 +86,9 @@ class Worker(lifecycle.Admission):
         self.cache = self.slots[0]  # the front door, the context length and the drafter's label: every slot's
         self.scheduler = None
         if self.parallel > 1:
-            self.scheduler = Scheduler(target)
+            on = pooled == "on" or (pooled == "auto" and target.device == "cuda" and bool(target.graph_tokens))
+            # slot-major state (runtime/pooled_steps.py); a free slot keeps its conversation for the next turn
+            self.scheduler = Scheduler(target, pool=self.parallel if on else 0, keep_free=True)
             sharing = SharedForwards(lambda: self.scheduler.live)
             for slot in self.slots:
                 self.scheduler.attach(slot.tctx, slot.drafter)  # an MTP head's forwards too
@@ -173,7 +177,7 @@ class Worker(lifecycle.Admission):
             self.running.add(job)
             slot = self._take_slot(job.ids)
         if self.scheduler is not None:
-            self.scheduler.join()
+            self.scheduler.join(slot.tctx)
         start = time.perf_counter()
         try:
             if job.cancelled:  # before it started: its client left, or the server is shutting down
@@ -214,7 +218,7 @@ class Worker(lifecycle.Admission):
             if job.constraint is not None:  # its grammar's native state, freed here rather than with the job
                 job.constraint.close()
             if self.scheduler is not None:
-                self.scheduler.leave()
+                self.scheduler.leave(slot.tctx)
             with self._lock:
                 self.counts["running"] -= 1
                 self.running.discard(job)
@@ -270,7 +274,8 @@ class Worker(lifecycle.Admission):
         _next_stepped). Under the lock."""
         from snapspec.runtime.prompt import common_prefix
 
-        slot = max(self._free, key=lambda c: common_prefix(c.tctx.tokens, ids))
+        # ties to the lowest slot: requests stay on the first slots, which pooled steps run (runtime/state/pool.py)
+        slot = max(self._free, key=lambda c: (common_prefix(c.tctx.tokens, ids), -self.slots.index(c)))
         self._free.remove(slot)
         return slot
 
@@ -308,7 +313,8 @@ def _scheduling(worker: Worker) -> str:
         return SCHEDULING
     return (f"up to {worker.parallel} requests decoded together (--parallel), each on a slot of its own, first come "
             "first served from a queue, their Python "
-            + ("stepped in the scheduler's thread" if worker.stepping == "one" else "in a thread each"))
+            + ("stepped in the scheduler's thread" if worker.stepping == "one" else "in a thread each")
+            + ("; plain steps pooled over the slots' state (--pooled)" if worker.scheduler.pooled is not None else ""))
 
 
 def _log(message: str) -> None:

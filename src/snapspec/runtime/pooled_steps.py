@@ -27,9 +27,9 @@ from .state.pool import StatePool
 
 
 class PooledSteps:
-    def __init__(self, scheduler, capacity: int):
+    def __init__(self, scheduler, capacity: int, keep_free: bool = False):
         self.scheduler = scheduler
-        self.pool = StatePool(capacity, scheduler.model.device)
+        self.pool = StatePool(capacity, scheduler.model.device, keep_free)
         self.busy: dict[int, int] = {}  # pool slot -> sequences running on it
         # held by a step from choosing its rows to forgetting the idle ones, and by join: a sequence that takes a
         # free slot while a step overwrites it waits for the step, then finds the slot forgotten (Context.vacant)

@@ -78,7 +78,7 @@ class Counters:
 
 class Scheduler:
     def __init__(self, model, *, patience: float = 0.05, heads: bool = True, graphs: int | None = None,
-                 pool: int = 0):
+                 pool: int = 0, keep_free: bool = False):
         """model: the loaded target (CPU or CUDA, the forward graph: not a state-window graph).
         patience: seconds the scheduler waits for every joined sequence's forward before running what it has.
         heads: run the slots' MTP head calls batched too (False: each head runs its own, as alone).
@@ -86,7 +86,8 @@ class Scheduler:
         (runners/batched_captured.py; on CPU the same path without capture), a lone sequence's steps too (0: off;
         default: the model's cuda_graph, so a target loaded with CUDA graphs batches with them).
         pool: the first this many attached contexts hold their state as rows of one pool (state/pool.py), and the
-        plain steps of the sequences on them run as one forward of the export's graph (runners/pooled.py); 0: off."""
+        plain steps of the sequences on them run as one forward of the export's graph (runners/pooled.py); 0: off.
+        keep_free: a free slot's state survives the steps that run its row (a server's; state/pool.py)."""
         why = batchable(model)
         if why:
             raise SnapspecError(f"{model.folder.name} cannot run sequences in one forward: {why}")
@@ -109,7 +110,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
         self._live = 0
-        self.pooled = PooledSteps(self, pool) if pool else None  # the slot-major path (pooled_steps.py)
+        self.pooled = PooledSteps(self, pool, keep_free) if pool else None  # the slot-major path (pooled_steps.py)
         self._closed = False
         self._poked = False
         self.steps = stepping.Steps()  # sequences stepped in this scheduler's thread (Batch(stepping="one"))

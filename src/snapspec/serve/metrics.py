@@ -135,7 +135,9 @@ class SchedulerCollector:
                 ("padded_rows", "Padding rows (a shorter verify's, rolled back like a rejected draft)", c.padded_rows),
                 ("sequence_calls", "Sequences' forwards served (the sum of each forward's batch size)", c.sequences),
                 ("captured_forwards", "Forwards at fixed addresses: CUDA graphs of the batched forward replayed "
-                 "(--cuda-graph)", c.captured_forwards)):
+                 "(--cuda-graph)", c.captured_forwards),
+                ("pooled_forwards", "Plain steps of the running requests as one forward over the slots' state pool "
+                 "(--pooled)", c.pooled_forwards)):
             family = CounterMetricFamily(f"snapspec_batch_{name}", doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family

@@ -11,7 +11,9 @@ lengths given per row (batched_graph.pooled): one attention node and one recurre
   running runs too: its token is 0 at its own position; its attention writes one KV row past its state (rows a
   cache never reads before writing them), and its store's slot 1 - k is overwritten, which the store forgets
   (`overwritten`); where that was its live state, the context forgets what it held (`Context.forget`: the next
-  sequence on the slot starts from an empty state instead of resuming) and later steps leave it alone. The
+  sequence on the slot starts from an empty state instead of resuming) and later steps leave it alone, unless the
+  pool keeps free slots' state (`keep_free`, a server's: the next turn of a conversation resumes there), which
+  then moves to slot k before the step (a device copy of the recurrent state). The
   scheduler runs this path only when every running sequence steps (pooled_steps.py).
 - The replay store's two slots are the pool's two recurrent buffers: a step reads buffer k and writes 1 - k for all
   rows, so every row must stand at slot k. Sequences in the minority move their state over first (`flip`, a device
@@ -73,6 +75,10 @@ class PooledRunner:
         running = {c.ctx.pool_slot for c in busy}
         n = pool.rows_for(max(by_slot) + 1)
         idle = [pool.contexts[i] for i in range(min(n, len(pool.contexts))) if i not in by_slot and i not in running]
+        kept = [ctx for ctx in idle if pool.keep_free and ctx.recurrent is not None and not ctx.vacant]
+        for ctx in kept:
+            if ctx.recurrent.cur != k:
+                ctx.recurrent.flip()
         ids, starts = np.zeros(n, np.int64), np.zeros(n, np.int64)
         for i in range(n):
             c = by_slot.get(i)

@@ -19,8 +19,11 @@ from . import allocate, dtype, nbytes, shape, value_dtype
 
 
 class StatePool:
-    def __init__(self, capacity: int, device: str):
+    def __init__(self, capacity: int, device: str, keep_free: bool = False):
         self.slots = int(capacity)  # contexts it takes
+        # a free slot's state survives the pooled steps that run its row (moved to the step's replay slot first: a
+        # copy), for the next request that resumes it (a server's conversation); else it is forgotten (at no cost)
+        self.keep_free = keep_free
         self.device = device
         # rows it holds: on CPU an even count, as every pooled step runs (rows_for)
         self.capacity = self.rows_for(self.slots)
