@@ -166,3 +166,23 @@ def test_a_free_slot_keeps_its_state_where_the_pool_keeps_it(keep_free, loaded):
     s.close()
     assert ids + more_ids[1:] == want_ids
     assert all(np.array_equal(x, y) for x, y in zip(rows + more, want)), "slot 0's state changed while it waited"
+
+
+def test_what_the_pool_refuses(loaded):
+    """A context whose recurrent state rolls back by another store than replay (a drafter's ring), or of another
+    length than the pool's, cannot take a row: one-line errors when it is attached."""
+    from snapspec import SnapspecError
+    from snapspec.runtime.context import Context
+
+    t = loaded("qwen3_5")
+    s = Scheduler(t, pool=2)
+    try:
+        with pytest.raises(SnapspecError, match="rolls back by ring; pooled steps need the replay rollback"):
+            s.attach(Context(t, CONTEXT, mode="ring", window=4))
+        s.attach(Context(t, CONTEXT, mode="replay", window=4))
+        with pytest.raises(SnapspecError, match="one context length per pool"):
+            s.attach(Context(t, CONTEXT // 2, mode="replay", window=4))
+    finally:
+        s.close()
+    with pytest.raises(SnapspecError, match="pooled is the scheduler's"):
+        Batch(t, parallel=2, context=CONTEXT, scheduler=Scheduler(t), pooled=True)

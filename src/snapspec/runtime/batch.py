@@ -115,9 +115,9 @@ class Batch:
         self.drafter = sources[0]
         if scheduler is not None and graphs is not None and scheduler.graphs != graphs:
             raise SnapspecError("graphs is the scheduler's: pass it to the Scheduler this Batch shares")
-        if pooled is None:
-            pooled = scheduler is None and target.device == "cuda" and bool(target.graph_tokens if graphs is None
-                                                                             else graphs)
+        if pooled is None:  # where the slots' plain steps gain from it and their targets roll back by replay
+            pooled = scheduler is None and target.device == "cuda" and rollback in ("auto", "replay") and \
+                bool(target.graph_tokens if graphs is None else graphs)
         if pooled and scheduler is not None:
             raise SnapspecError("pooled is the scheduler's: make the Scheduler with pool=N")
         self.scheduler = scheduler or Scheduler(target, patience=patience, graphs=graphs,

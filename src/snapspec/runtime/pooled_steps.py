@@ -95,6 +95,10 @@ class PooledSteps:
         c.padded_rows += n - len(calls)
         c.sequences += len(group)
 
+    def warm(self) -> None:
+        """Make the pooled session now (a server before its first request); its CUDA graphs capture at first use."""
+        self._runner()
+
     def _runner(self) -> PooledRunner:
         s = self.scheduler
         with s._lock:

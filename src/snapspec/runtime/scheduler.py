@@ -123,9 +123,9 @@ class Scheduler:
         own model where it offers them (Extras.batched: an MTP head)."""
         if ctx.model is not self.model:
             raise SnapspecError("a scheduler runs the contexts of its own model")
-        ctx.batch = self
         if self.pooled is not None:
             self.pooled.pool.adopt(ctx)
+        ctx.batch = self
         self._rows = max(self._rows, self._short(ctx))
         if drafter is not None and drafter.extras.batched is not None and self.batches_heads():
             drafter.extras.batched(self)
@@ -168,6 +168,8 @@ class Scheduler:
 
     def warm(self, sizes) -> None:
         """Make the graphs for these batch sizes now (a server before its first request)."""
+        if self.pooled is not None:
+            self.pooled.warm()
         for n in sizes:
             if n > 1 or self.graphs:
                 self._runner(n, captured=bool(self.graphs))

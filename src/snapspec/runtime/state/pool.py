@@ -14,6 +14,8 @@ without recurrent layers) of the pool's buffer length joins; others keep their o
 
 from __future__ import annotations
 
+from snapspec import SnapspecError
+
 from ..device.views import Views
 from . import allocate, dtype, nbytes, shape, value_dtype
 
@@ -33,17 +35,23 @@ class StatePool:
         self.contexts: list = []  # slot i's context
         self.kv_rows: int | None = None
 
-    def fits(self, ctx) -> bool:
-        """Whether ctx can take a row (module doc)."""
+    def refuses(self, ctx) -> str | None:
+        """Why ctx cannot take a row (module doc), or None."""
         rec = ctx.recurrent
-        return len(self.contexts) < self.slots and (rec is None or rec.mode == "replay") and \
-            (self.kv_rows is None or ctx.kv_rows == self.kv_rows) and ctx.device == self.device
+        if len(self.contexts) >= self.slots:
+            return f"the pool has {self.slots} slots, all taken"
+        if rec is not None and rec.mode != "replay":
+            return f"its recurrent state rolls back by {rec.mode}; pooled steps need the replay rollback"
+        if self.kv_rows is not None and ctx.kv_rows != self.kv_rows:
+            return f"its KV buffers hold {ctx.kv_rows} rows, the pool's {self.kv_rows}: one context length per pool"
+        return None
 
-    def adopt(self, ctx) -> int | None:
-        """Give ctx's stores the next free row of every buffer (allocated with the first context); returns its slot,
-        or None where it does not fit. Its state starts empty, as after reset()."""
-        if not self.fits(ctx):
-            return None
+    def adopt(self, ctx) -> int:
+        """Give ctx's stores the next free row of every buffer (allocated with the first context); returns its slot.
+        Its state starts empty, as after reset()."""
+        why = self.refuses(ctx)
+        if why:
+            raise SnapspecError(f"a context cannot join the state pool: {why}")
         if not self.contexts:
             self._allocate(ctx)
         slot = len(self.contexts)
