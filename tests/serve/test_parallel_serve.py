@@ -21,6 +21,26 @@ def target(chat_export):
 
 
 
+def ask_all(server, conversations, stream_odd: bool = False) -> dict[int, str]:
+    """Every conversation's reply, all asked at once by the official client (every other one streamed)."""
+    client, replies = openai_client(server), {}
+
+    def ask(i: int) -> None:
+        if stream_odd and i % 2:
+            stream = client.chat.completions.create(model=server["model"], messages=conversations[i], stream=True)
+            replies[i] = "".join(e.choices[0].delta.content or "" for e in stream if e.choices)
+        else:
+            r = client.chat.completions.create(model=server["model"], messages=conversations[i])
+            replies[i] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    return replies
+
+
 @pytest.mark.parametrize("drafter,stepping", [("none", "auto"), ("ngram", "auto"), ("ngram", "threads")])
 def test_concurrent_replies_equal_replies_alone(target, drafter, stepping, tmp_path):
     """6 requests on 3 slots (3 wait in the queue for a slot), their Python stepped in the scheduler's thread (auto
@@ -36,22 +56,7 @@ def test_concurrent_replies_equal_replies_alone(target, drafter, stepping, tmp_p
         assert ("in a thread each" if stepping == "threads" else "stepped in the scheduler's thread") in log
         status, _, body = request(server["port"], "GET", "/health")
         assert status == 200 and b'"parallel": 3' in body.replace(b'"parallel":3', b'"parallel": 3')
-        client, replies = openai_client(server), {}
-
-        def ask(i: int) -> None:
-            if i % 2:  # streamed
-                stream = client.chat.completions.create(model=server["model"], messages=conversations[i],
-                                                        stream=True)
-                replies[i] = "".join(e.choices[0].delta.content or "" for e in stream if e.choices)
-            else:
-                r = client.chat.completions.create(model=server["model"], messages=conversations[i])
-                replies[i] = r.choices[0].message.content
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        replies = ask_all(server, conversations, stream_odd=True)
         m = metrics(server)
     for i, messages in enumerate(conversations):
         kw = {"drafter": "ngram", "draft_max": 3} if drafter == "ngram" else {}
@@ -137,8 +142,8 @@ def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path, drafter):
 
 def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
     """`--parallel 3 --pooled on` (on CPU only when asked: runtime/pooled_steps.py): 5 conversations at once, the
-    plain steps pooled, each reply equal to its run on one pooled slot of a Batch; then a conversation's next turn on
-    the slot that kept it (a free slot's state survives the pooled steps beside it) reuses its prompt."""
+    plain steps pooled, each reply equal to its run on one pooled slot of a Batch. (That a free slot keeps its
+    conversation through the pooled steps beside it: tests/runtime/test_pooled.py.)"""
     from snapspec.runtime import load
     from snapspec.runtime.batch import Batch
 
@@ -146,17 +151,7 @@ def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
     conversations = [[{"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(5)]
     with serving(tmp_path / "server.log", target, *FLAGS, "--parallel", "3", "--pooled", "on") as server:
         assert "plain steps pooled over the slots' state" in server["log"].read_text()
-        client, replies = openai_client(server), {}
-
-        def ask(i: int) -> None:
-            r = client.chat.completions.create(model=server["model"], messages=conversations[i])
-            replies[i] = r.choices[0].message.content
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        replies = ask_all(server, conversations)
         m = metrics(server)
     assert m["snapspec_batch_pooled_forwards_total"] > 0
     with Batch(model, parallel=1, pooled=True) as solo:

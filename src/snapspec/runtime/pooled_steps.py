@@ -63,12 +63,9 @@ class PooledSteps:
                 return rest, mine
             try:
                 self._step(mine, [p.call for p in rest if not p.head])
+                settle(mine)
             except BaseException as exc:  # every waiting sequence hears of it; the scheduler goes on
-                for p in mine:
-                    p.error = exc if isinstance(exc, SnapspecError) else SnapspecError(f"pooled forward failed: {exc}")
-        for p in mine:
-            if p.done is not None:
-                p.done.set()
+                settle(mine, exc, "pooled")
         return rest, []
 
     def _step(self, group: list, others: list[Call]) -> None:
@@ -112,6 +109,15 @@ class PooledSteps:
                                           pooled=True)
                 self.runner = PooledRunner(model, self.pool, session, captured)
             return self.runner
+
+
+def settle(group: list, error: BaseException | None = None, what: str = "batched") -> None:
+    """Wake the sequences of a forward that ran (the scheduler's _Pending), each with the error where it failed."""
+    for p in group:
+        if error is not None:
+            p.error = error if isinstance(error, SnapspecError) else SnapspecError(f"{what} forward failed: {error}")
+        if p.done is not None:
+            p.done.set()
 
 
 def _plain(call: Call) -> bool:

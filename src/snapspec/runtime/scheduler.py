@@ -47,7 +47,7 @@ from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result
 from .runners.batched_captured import CapturedBatch
 from .runners.batched_head import BatchedHead, HeadCall, head_batchable
-from .pooled_steps import PooledSteps
+from .pooled_steps import PooledSteps, settle
 
 log = logging.getLogger("snapspec")
 
@@ -332,11 +332,9 @@ class Scheduler:
             counters.rows += rows
             counters.sequences += len(group)
         except BaseException as exc:  # every waiting sequence hears of it; the scheduler goes on
-            for p in group:
-                p.error = exc if isinstance(exc, SnapspecError) else SnapspecError(f"batched forward failed: {exc}")
-        for p in group:
-            if p.done is not None:
-                p.done.set()
+            settle(group, exc)
+            return
+        settle(group)
 
     def _captured(self, calls: list[Call]) -> CapturedBatch | None:
         """The fixed-address runner for these target calls (short ones: a group never mixes in a prefill chunk),
