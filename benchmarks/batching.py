@@ -16,7 +16,8 @@ python benchmarks/batching.py --ep cuda --graphs 1 --pooled on ...   # plain ste
 
 On CUDA the target loads with the replay rollback (the forward graph: batching does not run the state-window graph)
 and texts together are compared with alone but not required equal: cuBLAS may pick another kernel for 16 rows than
-for one (on CPU they must be equal, and are: tests/runtime/test_batch.py).
+for one (on CPU they must be equal, and are: tests/runtime/test_batch.py), nor are pooled steps' (--pooled on) with
+a Generator's (--alone generator): one query row a step against the spare row's two.
 """
 
 from __future__ import annotations
@@ -189,7 +190,9 @@ def main(argv=None) -> int:
               f"{tog_decode:.1f} t/s, {tog_decode / seq_decode:.2f}x); texts equal {sum(equal)}/{len(equal)} "
               f"(first differences at {[d for d in first_difference if d is not None]}); "
               f"{counters}", flush=True)
-        if not all(equal) and a.ep == "cpu":
+        # on CPU the paths must agree bit for bit, except a pooled step against a Generator's spare row (one query row
+        # against two: runners/pooled.py), where the texts are compared but not required equal
+        if not all(equal) and a.ep == "cpu" and (a.pooled == "off" or a.alone == "batch"):
             print("FAIL: a prompt's tokens together differ from alone", file=sys.stderr)
             return 1
     batch.close()

@@ -64,6 +64,9 @@ class PooledRunner:
         self._rollback = None  # [N, 1, width]: each slot's rollback data of its last pooled step
         self._rollback_rows: list = []  # views of its rows, the slots' replay stores read
         self._pinned: list = []
+        # total_sequence_length, a host scalar read at each run: the buffers' rows under CUDA graphs (a shape, fixed
+        # at capture), else the longest row's length (onnxruntime's CPU attention works over the total)
+        self._total = np.array(pool.kv_rows or 0, dtype=np.int32)
 
     def forward(self, calls: list[Call], k: int, logits: bool, busy: list[Call] = ()) -> list[Result]:
         """One step of the pool's first n slots; every call one token from its context's position, its recurrent
@@ -94,6 +97,8 @@ class PooledRunner:
             lengths = self.stream.staging(n, np.int32)
             lengths[:] = starts  # seqlens_k: the rows before the new one (no spare row)
             self.stream.h2d(seqlens.data_ptr(), lengths)
+            if self.graphs is None:
+                self._total[...] = starts.max() + 1
         step = self._step(n, k, logits)
         if step.options is not None:
             self.session.run_with_iobinding(step.binding, step.options)
@@ -135,10 +140,8 @@ class PooledRunner:
             self._pinned.append(one)
             b.bind_input("logits_to_keep", "cpu", 0, np.int64, [], one.ctypes.data)
         if self.attention:
-            total = np.array(pool.kv_rows, dtype=np.int32)
-            self._pinned.append(total)
             b.bind_input(POOLED_SEQLENS, dev, 0, np.int32, [n], seqlens.data_ptr())
-            b.bind_input(POOLED_TOTAL, "cpu", 0, np.int32, [], total.ctypes.data)
+            b.bind_input(POOLED_TOTAL, "cpu", 0, np.int32, [], self._total.ctypes.data)
         bound = set()
         first = pool.contexts[0]
         if first.kv is not None:
