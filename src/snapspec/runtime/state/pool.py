@@ -17,7 +17,7 @@ from __future__ import annotations
 from snapspec import SnapspecError
 
 from ..device.views import Views
-from . import allocate, dtype, nbytes, shape, value_dtype
+from . import allocate, dtype, shape, value_dtype
 
 
 class StatePool:
@@ -78,8 +78,3 @@ class StatePool:
         accuracy level 4 computes an odd last row through its one-row kernel, whose sums differ from the rows it
         computes in pairs: docs/exactness.md), the extra row one no sequence reads."""
         return n + n % 2 if self.device == "cpu" else n
-
-    @property
-    def nbytes(self) -> int:
-        return sum(nbytes(v) for v in list(self.kv.values()) + [v for p in self.recurrent for v in p.values()])
-
