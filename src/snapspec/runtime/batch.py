@@ -17,7 +17,8 @@ scheduler the same way (cli/serve.py).
 
 Exactness: a sequence's tokens are the ones it gets alone, greedy or sampled with its seed, for every architecture
 the scheduler accepts (tests/runtime/test_batch.py: random arrivals, cancellations and draft sources against each
-prompt run alone).
+prompt run alone). With pooled steps (slot-major state: on CUDA with graphs by default), alone means on one pooled
+slot: a pooled step computes one query row a sequence, a Generator two (pooled_steps.py; tests/runtime/test_pooled.py).
 """
 
 from __future__ import annotations
