@@ -148,13 +148,20 @@ def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
     from snapspec.runtime.batch import Batch
 
     model = load(target, threads=1)
-    conversations = [[{"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(5)]
-    with serving(tmp_path / "server.log", target, *FLAGS, "--parallel", "3", "--pooled", "on") as server:
+    system = {"role": "system", "content": "You answer briefly. " * 6}
+    conversations = [[system, {"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(5)]
+    flags = ("--threads", "1", "--max-new-tokens", "12", "--cache-ram", "64MiB")  # the prefix cache on
+    with serving(tmp_path / "server.log", target, *flags, "--parallel", "3", "--pooled", "on") as server:
         assert "plain steps pooled over the slots' state" in server["log"].read_text()
         replies = ask_all(server, conversations)
+        turns = [c + [{"role": "assistant", "content": replies[i]}, {"role": "user", "content": "and then?"}]
+                 for i, c in enumerate(conversations)]
+        again = ask_all(server, turns)  # second turns: from a slot's state, or the prefix cache's snapshots
         m = metrics(server)
     assert m["snapspec_batch_pooled_forwards_total"] > 0
+    assert m["snapspec_prefix_cache_hits_total"] > 0
     with Batch(model, parallel=1, pooled=True) as solo:
-        for i, messages in enumerate(conversations):
+        for i, messages in enumerate(conversations + turns):
             alone = solo.generate([messages], max_new_tokens=12)[0]
-            assert replies[i] == alone, f"request {i} together differs from its pooled run alone"
+            got = (replies if i < len(conversations) else again)[i % len(conversations)]
+            assert got == alone, f"request {i} together differs from its pooled run alone"
