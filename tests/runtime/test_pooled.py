@@ -70,8 +70,8 @@ def test_pooled_steps_equal_alone(arch, quant, loaded):
 
 
 def test_a_free_slot_whose_state_a_pooled_step_overwrote_starts_empty(loaded):
-    """One slot ends its sequence (a) early while the other decodes on (b): the pooled steps run a's row too (on CPU
-    every step runs an even row count) and overwrite its recurrent state. a's slot forgets it; a prompt that extends
+    """Slot 0 ends its sequence (a) early while slot 1 decodes on (b): the pooled steps run slot 0's row too and
+    overwrite its recurrent state. a's slot forgets it; a prompt that extends
     a's text then gets its tokens alone, and b loses nothing."""
     t = loaded("qwen3_5")
     a, b = prompts(t.vocab_size, 2, seed=3)
@@ -80,13 +80,12 @@ def test_a_free_slot_whose_state_a_pooled_step_overwrote_starts_empty(loaded):
         events = list(seq)
         return [tok for e in events for tok in e.tokens], events[-1]
 
-    with Batch(t, parallel=2, context=CONTEXT, pooled=True, stepping="threads") as batch:
+    with Batch(t, parallel=2, context=CONTEXT, pooled=True, stepping="one") as batch:  # slots in submission order
         first = batch.submit(a, max_new_tokens=2, stop_at_eos=False)  # slot 0
         second = batch.submit(b, max_new_tokens=NEW, stop_at_eos=False)  # slot 1
         got_a, _ = tokens_and_last(first)
         got_b, _ = tokens_and_last(second)
-        # each sequence's thread takes the first free slot it finds: a's is the one that is not b's
-        ctx_a, = [p.tctx for p in batch.pairs if p.tctx.tokens[:len(b)] != b]
+        ctx_a = batch.pairs[0].tctx
         assert ctx_a.vacant and ctx_a.n_past == 0, "a's slot kept a state the pooled steps overwrote"
         again = a + got_a + [5, 6]
         got_again, last = tokens_and_last(batch.submit(again, max_new_tokens=8, stop_at_eos=False))

@@ -27,8 +27,7 @@ class StatePool:
         # copy), for the next request that resumes it (a server's conversation); else it is forgotten (at no cost)
         self.keep_free = keep_free
         self.device = device
-        # rows it holds: on CPU an even count, as every pooled step runs (rows_for)
-        self.capacity = self.rows_for(self.slots)
+        self.capacity = self.slots  # rows of each buffer
         self.views = Views()
         self.kv: dict = {}  # name -> [N, kv_heads, rows, head_dim]
         self.recurrent: list[dict] = [{}, {}]  # the replay store's slot j -> name -> [N, ...]
@@ -72,9 +71,3 @@ class StatePool:
             for j in (0, 1):
                 for s in ctx.recurrent.specs:
                     self.recurrent[j][s["name"]] = allocate([n] + shape(s, 0)[1:], dtype(s), self.device, 0.0)
-
-    def rows_for(self, n: int) -> int:
-        """The rows a step of the first n slots runs: n; on CPU an even count (onnxruntime's CPU MatMulNBits at
-        accuracy level 4 computes an odd last row through its one-row kernel, whose sums differ from the rows it
-        computes in pairs: docs/exactness.md), the extra row one no sequence reads."""
-        return n + n % 2 if self.device == "cpu" else n
