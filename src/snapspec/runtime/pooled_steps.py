@@ -74,7 +74,7 @@ class PooledSteps:
         only their other slot, which their pending forward does not read."""
         calls = [p.call for p in group]
         k = parity(calls)
-        n = max(c.ctx.pool_slot for c in calls) + 1
+        n = self.pool.rows_for(max(c.ctx.pool_slot for c in calls) + 1)
         inside = [c for c in others if c.ctx.pool_slot < n]
         for c in inside:
             if c.ctx.recurrent is not None and c.ctx.recurrent.cur != k:

@@ -76,7 +76,7 @@ class PooledRunner:
         pool = self.pool
         by_slot = {c.ctx.pool_slot: c for c in calls}
         running = {c.ctx.pool_slot for c in busy}
-        n = max(by_slot) + 1
+        n = pool.rows_for(max(by_slot) + 1)
         idle = [pool.contexts[i] for i in range(min(n, len(pool.contexts))) if i not in by_slot and i not in running]
         kept = [ctx for ctx in idle if pool.keep_free and ctx.recurrent is not None and not ctx.vacant]
         for ctx in kept:

@@ -27,7 +27,7 @@ class StatePool:
         # copy), for the next request that resumes it (a server's conversation); else it is forgotten (at no cost)
         self.keep_free = keep_free
         self.device = device
-        self.capacity = self.slots  # rows of each buffer
+        self.capacity = self.rows_for(self.slots)  # rows of each buffer
         self.views = Views()
         self.kv: dict = {}  # name -> [N, kv_heads, rows, head_dim]
         self.recurrent: list[dict] = [{}, {}]  # the replay store's slot j -> name -> [N, ...]
@@ -71,3 +71,11 @@ class StatePool:
             for j in (0, 1):
                 for s in ctx.recurrent.specs:
                     self.recurrent[j][s["name"]] = allocate([n] + shape(s, 0)[1:], dtype(s), self.device, 0.0)
+
+    def rows_for(self, n: int) -> int:
+        """The rows a step of the first n slots runs: n, and on CPU at least 2. A batched forward never makes a
+        one-row MatMulNBits call (batched_session.py checks that calls of 2 and more rows give each row the bits of
+        the paired one-row call, or pairs them), and a one-row call on an AVX2 CPU takes another kernel (emulated
+        AVX2: a pooled sequence alone then parted from itself among three in LFM2 int4); the extra row is one no
+        sequence reads."""
+        return max(n, 2) if self.device == "cpu" else n
