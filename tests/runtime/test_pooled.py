@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from snapspec import SnapspecError
 from snapspec.runtime import SamplingParams
 from snapspec.runtime.batch import Batch
 from snapspec.runtime.device.views import Views
@@ -31,7 +32,7 @@ def test_a_row_view_is_the_pool_row():
     assert pool.numpy()[:, 0, 0].tolist() == [0, 0, 1, 0]
     pool.numpy()[3] = 7
     assert views.rows(pool, 2, 2).numpy()[1, 2, 4] == 7
-    with pytest.raises(Exception, match="rows 3..5 of a tensor of 4"):
+    with pytest.raises(SnapspecError, match="rows 3..5 of a tensor of 4"):
         views.rows(pool, 3, 2)
 
 
@@ -170,7 +171,6 @@ def test_a_free_slot_keeps_its_state_where_the_pool_keeps_it(keep_free, loaded):
 def test_what_the_pool_refuses(loaded):
     """A context whose recurrent state rolls back by another store than replay (a drafter's ring), or of another
     length than the pool's, cannot take a row: one-line errors when it is attached."""
-    from snapspec import SnapspecError
     from snapspec.runtime.context import Context
 
     t = loaded("qwen3_5")

@@ -86,8 +86,8 @@ class Worker(lifecycle.Admission):
         self.cache = self.slots[0]  # the front door, the context length and the drafter's label: every slot's
         self.scheduler = None
         if self.parallel > 1:
-            on = pooled == "on" or (pooled == "auto" and target.device == "cuda" and bool(target.graph_tokens)
-                                    and defaults.get("rollback") in (None, "auto", "replay"))
+            from snapspec.runtime.pooled_steps import pooled_by_default
+            on = pooled == "on" or (pooled == "auto" and pooled_by_default(target, rollback=defaults.get("rollback")))
             # slot-major state (runtime/pooled_steps.py); a free slot keeps its conversation for the next turn
             self.scheduler = Scheduler(target, pool=self.parallel if on else 0, keep_free=True)
             sharing = SharedForwards(lambda: self.scheduler.live)

@@ -40,6 +40,7 @@ from .generation import Generator, final_text, prompt_of
 from .model import Model
 from .pair import Pair, check_context, slot_drafters
 from .policy import window_of
+from .pooled_steps import pooled_by_default
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stats import Stats
@@ -116,9 +117,8 @@ class Batch:
         self.drafter = sources[0]
         if scheduler is not None and graphs is not None and scheduler.graphs != graphs:
             raise SnapspecError("graphs is the scheduler's: pass it to the Scheduler this Batch shares")
-        if pooled is None:  # where the slots' plain steps gain from it and their targets roll back by replay
-            pooled = scheduler is None and target.device == "cuda" and rollback in ("auto", "replay") and \
-                bool(target.graph_tokens if graphs is None else graphs)
+        if pooled is None:
+            pooled = scheduler is None and pooled_by_default(target, graphs, rollback)
         if pooled and scheduler is not None:
             raise SnapspecError("pooled is the scheduler's: make the Scheduler with pool=N")
         self.scheduler = scheduler or Scheduler(target, patience=patience, graphs=graphs,

@@ -73,10 +73,8 @@ class Context:
         self._saved = SavedState(self.recurrent, self.device, self.copy) if self.recurrent else None
         self._checkpoint: int | None = None
         self.io = GraphIO(model.session, model.manifest.rollback_data)
-        self.bound = BoundRunner(model, self.io, self.stores, self.max_len)
         self.graph_tokens = model.graph_tokens if graph_tokens is None else int(graph_tokens)
-        self.captured = CapturedRunner(model, self.io, self.stores, self.stream, self.max_len, self.graph_tokens) \
-            if self.graph_tokens else None
+        self._runners()
         self._unread: tuple[int, DeviceIds, int] | None = None  # (index in tokens, draft ids, how many consumed)
         # Forwards return the graph's `hidden` output (every fed row, on the host) in Rows.hidden: set by the Pair
         # for a drafter that reads the target's hidden states (an MTP head, drafters/mtp.py).
@@ -93,11 +91,15 @@ class Context:
             self.kv.values = dict(kv)
         if recurrent is not None:
             self.recurrent.use(recurrent)
-        self.bound = BoundRunner(self.model, self.io, self.stores, self.max_len)
-        if self.captured is not None:
-            self.captured = CapturedRunner(self.model, self.io, self.stores, self.stream, self.max_len,
-                                           self.graph_tokens)
+        self._runners()
         self.reset()
+
+    def _runners(self) -> None:
+        """The runners over the stores' buffers (their bindings hold the addresses): the bound one, and the captured
+        one where forwards of up to graph_tokens take the fixed-address path."""
+        self.bound = BoundRunner(self.model, self.io, self.stores, self.max_len)
+        self.captured = CapturedRunner(self.model, self.io, self.stores, self.stream, self.max_len,
+                                       self.graph_tokens) if self.graph_tokens else None
 
     def forget(self) -> None:
         """Its live state was overwritten by another sequence's forward (a pooled step's idle row,

@@ -11,7 +11,7 @@ attaches rows of one state pool (state/pool.py). A group of calls runs as one po
   leave(ctx); a sequence that joined without a pooled context turns the path off while it runs.
 
 The replay store's two slots are the pool's two buffers, so all rows stand at one slot k: the minority moves its
-state over first (ReplayState.flip), as for the batched CUDA graphs (scheduler._aligned).
+state over first (ReplayState.flip), as for the batched CUDA graphs (runners/batched.aligned).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import threading
 from snapspec import SnapspecError
 
 from .batched_session import batched_session
-from .runners.batched import Call
+from .runners.batched import Call, aligned
 from .runners.pooled import PooledRunner
 from .state.pool import StatePool
 
@@ -57,7 +57,7 @@ class PooledSteps:
         mine = [p for p in todo if not p.head and _plain(p.call)]
         if not mine:
             return todo, []
-        rest = [p for p in todo if not any(p is q for q in mine)]
+        rest = [p for p in todo if p.head or not _plain(p.call)]
         with self.lock:
             if not set(self.busy) <= {p.call.ctx.pool_slot for p in todo if not p.head}:
                 return rest, mine
@@ -101,14 +101,19 @@ class PooledSteps:
         with s._lock:
             if self.runner is None:
                 model = s.model
-                if "forward" not in s._weights:
-                    from .head import external_values
-                    s._weights["forward"] = external_values(model.manifest, "forward", ep=model.ep)
                 captured = model.device == "cuda" and bool(s.graphs)
-                session = batched_session(model, self.pool.capacity, s._weights["forward"], cuda_graph=captured,
+                session = batched_session(model, self.pool.capacity, s.weights("forward"), cuda_graph=captured,
                                           pooled=True)
                 self.runner = PooledRunner(model, self.pool, session, captured)
             return self.runner
+
+
+def pooled_by_default(target, graphs: int | None = None, rollback: str | None = "auto") -> bool:
+    """Whether slot-major state is on where nobody asked (Batch, serve --pooled auto): on CUDA with CUDA graphs (the
+    target's cuda_graph, or graphs), where the target rolls back by replay; on CPU the step is compute, and a pooled
+    step parts from a Generator's bits (module doc of runners/pooled.py)."""
+    return target.device == "cuda" and bool(target.graph_tokens if graphs is None else graphs) and \
+        rollback in (None, "auto", "replay")
 
 
 def settle(group: list, error: BaseException | None = None, what: str = "batched") -> None:
@@ -126,14 +131,8 @@ def _plain(call: Call) -> bool:
 
 
 def parity(calls: list[Call]) -> int:
-    """The replay slot every pooled context of a step stands at: the majority's; the others move their state there.
-    0 for models without recurrent state."""
-    stores = [c.ctx.recurrent for c in calls if c.ctx.recurrent is not None]
-    if not stores:
-        return 0
-    k = int(2 * sum(s.cur for s in stores) > len(stores))
-    for c in calls:
-        if c.ctx.recurrent is not None and c.ctx.recurrent.cur != k:
-            c.ctx.recurrent.flip()
-            c.keys = c.ctx.keys()
-    return k
+    """The replay slot every pooled context of a step stands at, once `aligned` moved the minority's state to the
+    majority's; 0 for models without recurrent state."""
+    aligned(calls)
+    rec = calls[0].ctx.recurrent
+    return 0 if rec is None else rec.cur

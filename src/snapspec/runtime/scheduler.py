@@ -44,7 +44,7 @@ from snapspec import SnapspecError
 from .batched_session import batchable, batched_session  # noqa: F401 (batchable: also imported from here)
 from . import stepping
 from .policy import window_of
-from .runners.batched import BatchedRunner, Call, Result
+from .runners.batched import BatchedRunner, Call, Result, aligned
 from .runners.batched_captured import CapturedBatch
 from .runners.batched_head import BatchedHead, HeadCall, head_batchable
 from .pooled_steps import PooledSteps, settle
@@ -85,7 +85,7 @@ class Scheduler:
         graphs: run the target's calls of up to this many rows a sequence at fixed addresses, replayed as CUDA graphs
         (runners/batched_captured.py; on CPU the same path without capture), a lone sequence's steps too (0: off;
         default: the model's cuda_graph, so a target loaded with CUDA graphs batches with them).
-        pool: the first this many attached contexts hold their state as rows of one pool (state/pool.py), and the
+        pool: the attached contexts (at most this many) hold their state as rows of one pool (state/pool.py), and the
         plain steps of the sequences on them run as one forward of the export's graph (runners/pooled.py); 0: off.
         keep_free: a free slot's state survives the steps that run its row (a server's; state/pool.py)."""
         why = batchable(model)
@@ -323,7 +323,7 @@ class Scheduler:
                 for p, r in zip(group, runner.forward(calls)):
                     p.result = r
                     if not head:
-                        r.keys = p.call.keys  # _aligned may have moved them
+                        r.keys = p.call.keys  # aligned may have moved them
                 rows = len(group) * max(len(c.ids) for c in calls)
                 counters.batched_forwards += len(group) > 1
                 counters.captured_forwards += captured is not None
@@ -342,43 +342,26 @@ class Scheduler:
         more (a lone sequence's step too: its runner is the graph for one sequence)."""
         if not self.graphs or max(len(c.ids) for c in calls) > self.graphs:
             return None
-        _aligned(calls)
+        aligned(calls)
         runner = self._runner(len(calls), captured=True)
         return runner if runner.fits(calls) else None
+
+    def weights(self, graph: str) -> dict:
+        """The graph's weights as OrtValues, loaded once and shared by every session the scheduler makes on it (the
+        batched graphs for each size, the pooled one); under the runners' lock."""
+        if graph not in self._weights:
+            from .head import external_values
+            self._weights[graph] = external_values(self.model.manifest, graph, ep=self.model.ep)
+        return self._weights[graph]
 
     def _runner(self, n: int, head: bool = False, captured: bool = False):
         graph = "mtp" if head else "forward"
         with self._lock:
             if (graph, n, captured) not in self._runners:
                 started = time.monotonic()
-                if graph not in self._weights:
-                    from .head import external_values
-                    self._weights[graph] = external_values(self.model.manifest, graph, ep=self.model.ep)
-                session = batched_session(self.model, n, self._weights[graph], graph, cuda_graph=captured)
+                session = batched_session(self.model, n, self.weights(graph), graph, cuda_graph=captured)
                 kind = CapturedBatch if captured else BatchedHead if head else BatchedRunner
                 self._runners[graph, n, captured] = kind(self.model, n, session)
                 log.info("%s graph for %d sequences%s ready in %.1f s", graph, n, " (captured)" * captured,
                          time.monotonic() - started)
             return self._runners[graph, n, captured]
-
-
-def _aligned(calls: list[Call]) -> None:
-    """Bring every sequence of a fixed-address group to one key of its two-slot replay store.
-
-    A graph is made per key, and a key names each sequence's buffers: a sequence's replay store alternates between
-    its two slots at every forward, and where it stands depends on how many forwards it has run (its prompt's
-    chunks, its rounds). Sequences that met at different parities would each need graphs of their own combination,
-    up to 2^n for n sequences, and a server whose requests come and go passes its MAX_GRAPHS soon, after which its
-    steps run without graphs. So the sequences in the minority move their live state to the other slot (a device
-    copy of the recurrent state: a few MB at the 4B shape), and a stable set of sequences keeps two graphs."""
-    for i, store in enumerate(calls[0].ctx.stores):
-        if not hasattr(store, "flip"):
-            continue
-        counts: dict = {}
-        for c in calls:
-            counts[c.keys[i]] = counts.get(c.keys[i], 0) + 1
-        want = max(counts, key=counts.get)
-        for c in calls:
-            if c.keys[i] != want:
-                c.ctx.stores[i].flip()
-                c.keys = c.ctx.keys()

@@ -48,7 +48,7 @@ class Result:
     best: np.ndarray  # [keep] argmax ids of its kept rows
     logits: np.ndarray | None  # [keep, vocab]
     hidden: np.ndarray | None  # [t, H] its fed rows' hidden states, when its context returns them
-    keys: tuple | None = None  # its stores' keys the forward ran from, where the scheduler changed them (_aligned)
+    keys: tuple | None = None  # its stores' keys the forward ran from, where the scheduler changed them (aligned)
 
 
 CACHED = 32  # bindings kept per runner: a stable set of sequences alternates between two key combinations
@@ -228,3 +228,26 @@ def row_lengths(start: int, t: int, kv_rows: int | None) -> tuple[np.ndarray, np
     width = start + t
     spare = 1 if (kv_rows or 0) > width else 0
     return np.array([width - 1 + spare], dtype=np.int32), np.array(width + spare, dtype=np.int32)
+
+
+def aligned(calls: list[Call]) -> None:
+    """Bring every sequence of a group to one key of its two-slot replay store (the scheduler's fixed-address groups,
+    and pooled steps, whose rows share one pair of buffers: pooled_steps.py).
+
+    A graph is made per key, and a key names each sequence's buffers: a sequence's replay store alternates between
+    its two slots at every forward, and where it stands depends on how many forwards it has run (its prompt's
+    chunks, its rounds). Sequences that met at different parities would each need graphs of their own combination,
+    up to 2^n for n sequences, and a server whose requests come and go passes its MAX_GRAPHS soon, after which its
+    steps run without graphs. So the sequences in the minority move their live state to the other slot (a device
+    copy of the recurrent state: a few MB at the 4B shape), and a stable set of sequences keeps two graphs."""
+    for i, store in enumerate(calls[0].ctx.stores):
+        if not hasattr(store, "flip"):
+            continue
+        counts: dict = {}
+        for c in calls:
+            counts[c.keys[i]] = counts.get(c.keys[i], 0) + 1
+        want = max(counts, key=counts.get)
+        for c in calls:
+            if c.keys[i] != want:
+                c.ctx.stores[i].flip()
+                c.keys = c.ctx.keys()

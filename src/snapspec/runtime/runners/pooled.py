@@ -17,7 +17,7 @@ lengths given per row (batched_graph.pooled): one attention node and one recurre
   scheduler runs this path only when every running sequence steps (pooled_steps.py).
 - The replay store's two slots are the pool's two recurrent buffers: a step reads buffer k and writes 1 - k for all
   rows, so every row must stand at slot k. Sequences in the minority move their state over first (`flip`, a device
-  copy), as the scheduler's batched CUDA graphs do (scheduler._aligned).
+  copy), as the scheduler's batched CUDA graphs do (runners/batched.aligned).
 - No spare attention row: the mask spans each KV buffer's rows, so a step is one query row a sequence, the call
   onnxruntime's GroupQueryAttention accepts for several sequences after a past. A sequence alone takes the spare
   row (two rows a step). On CUDA the two are not held bitwise equal (docs/exactness.md: CUDA is compared within a

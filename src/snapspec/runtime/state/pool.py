@@ -17,7 +17,7 @@ from __future__ import annotations
 from snapspec import SnapspecError
 
 from ..device.views import Views
-from . import allocate, dtype, shape, value_dtype
+from . import allocate, value_dtype
 
 
 class StatePool:
@@ -64,13 +64,11 @@ class StatePool:
     def _allocate(self, ctx) -> None:
         n = self.capacity
         self.kv_rows = ctx.kv_rows
-        if ctx.kv is not None:
-            for name, value in ctx.kv.values.items():
-                self.kv[name] = allocate([n] + list(value.shape())[1:], value_dtype(value), self.device, 0.0)
+        # each buffer as the context's own at batch n: the stores decided the shapes (state/build.py)
+        rows = lambda v: allocate([n] + list(v.shape())[1:], value_dtype(v), self.device, 0.0)  # noqa: E731
+        self.kv = {name: rows(v) for name, v in (ctx.kv.values.items() if ctx.kv else ())}
         if ctx.recurrent is not None:
-            for j in (0, 1):
-                for s in ctx.recurrent.specs:
-                    self.recurrent[j][s["name"]] = allocate([n] + shape(s, 0)[1:], dtype(s), self.device, 0.0)
+            self.recurrent = [{name: rows(v) for name, v in ctx.recurrent.slots[j].items()} for j in (0, 1)]
 
     def rows_for(self, n: int) -> int:
         """The rows a step of the first n slots runs: n, and on CPU at least 2. A batched forward never makes a

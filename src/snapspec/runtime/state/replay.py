@@ -54,7 +54,7 @@ class ReplayState(SlotState):
 
     def flip(self) -> None:
         """Move the live state to the other slot (a device copy), so that the next forward reads that slot: what
-        the scheduler does to bring sequences that meet in a CUDA graph to one key (scheduler.py `_aligned`). The
+        the scheduler does to bring sequences that meet in a CUDA graph to one key (runners/batched.py `aligned`). The
         other slot held the last forward's start, which is then out of reach (that forward is not replayed)."""
         other = 1 - self.cur
         self.copy.copy([(Region(v), Region(self.slots[other][name])) for name, v in self.slots[self.cur].items()])
