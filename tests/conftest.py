@@ -87,8 +87,8 @@ def hf_model(tiny_model):
 
 @pytest.fixture(scope="session")
 def chat_export(tmp_path_factory):
-    """chat_export("qwen3_5_text", "lfm2") -> Path of an exported tiny chat model (tests/chat_models.py): the
-    character tokenizer, the named template style, <|im_end|> as end of turn. Same-style exports share a
+    """chat_export("qwen3_5_text", "lfm2", **export_options) -> Path of an exported tiny chat model
+    (tests/chat_models.py): the character tokenizer, the named template style, <|im_end|> as end of turn. Same-style exports share a
     vocabulary, so any two make a target and drafter pair."""
     from chat_models import make_chat_model
 
@@ -96,12 +96,13 @@ def chat_export(tmp_path_factory):
 
     built: dict[tuple, Path] = {}
 
-    def get(model_type: str, style: str = "lfm2") -> Path:
-        if (model_type, style) not in built:
+    def get(model_type: str, style: str = "lfm2", **export_kwargs) -> Path:
+        key = (model_type, style, *sorted(export_kwargs.items()))
+        if key not in built:
             root = tmp_path_factory.mktemp(f"chat-{model_type}-{style}")
-            export(make_chat_model(model_type, root / "hf", style), root / "out", log=lambda *a: None)
-            built[model_type, style] = root / "out"
-        return built[model_type, style]
+            export(make_chat_model(model_type, root / "hf", style), root / "out", log=lambda *a: None, **export_kwargs)
+            built[key] = root / "out"
+        return built[key]
 
     return get
 

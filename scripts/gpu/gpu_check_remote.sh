@@ -3,6 +3,8 @@
 #   scripts/gpu/gpu_check_remote.sh stash C1          keep C1's onnxruntime-gpu part in /tmp/gc; say what is there
 #   scripts/gpu/gpu_check_remote.sh run C2 OUT        install, prove a CUDA session, run scripts/gpu/gpu_check.sh of
 #                                                     C2's src.tar (the committed checkout) into OUT
+#   PYTEST="ARGS" scripts/gpu/gpu_check_remote.sh pytest C2 OUT   install as run does, then pytest ARGS (e.g. the
+#                                                     CUDA cases: "tests/runtime/test_pooled.py -k cuda") into OUT
 #   scripts/gpu/gpu_check_remote.sh batch C2 OUT      install as run does, then continuous batching on the H200
 #                                                     (benchmarks/batching.py, 16 sequences against one at a time)
 #                                                     at pair-a's shape and the Qwen3.5-4B shape, random weights,
@@ -52,7 +54,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|batch|profile|stepping|graphs|hostcmp|pooled|poolbatch)
+run|pytest|batch|profile|stepping|graphs|hostcmp|pooled|poolbatch)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out && out=$(cd $out && pwd)
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -83,6 +85,8 @@ PY
     python3 -c "import torch, transformers, onnx; print('torch', torch.__version__, 'transformers', transformers.__version__, 'onnx', onnx.__version__)"
   } 2>&1 | tee $out/env.txt
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
+  if [ $cmd = pytest ]; then  # the tests PYTEST names (paths and options), from the source's root
+    cd $G/src && python3 -m pytest ${PYTEST:?} -q -rs -p no:xdist -p no:cacheprovider 2>&1 | tee $out/pytest.txt; exit; fi
   cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
   [ $cmd = batch ] && for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
   { [ $cmd = graphs ] || [ $cmd = hostcmp ]; } && [ -n "${GDIAG:-}" ] && { timeout 540 python3 scripts/gpu/graphs_diag.py ${GDIAG_ARCHS:-} 2>&1 |

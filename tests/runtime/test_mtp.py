@@ -520,6 +520,29 @@ def test_greedy_mtp_on_cuda(headed, rollback, cuda_graph):
         assert g.drafter.head.chains == (cuda_graph > 0)
 
 
+@pytest.mark.parametrize("drafter", ["mtp", "ngram+mtp"])
+def test_mtp_in_a_pooled_batch_on_cuda(headed, drafter):
+    """On CUDA with CUDA graphs and replay, where a Batch's slots are rows of one state pool by default
+    (runtime/pooled_steps.py): 5 prompts on 3 slots drafting with the head (its target keeps hidden rows, so its
+    forwards take the batched graph over the pool's buffers), each token list equal to its run on one pooled slot."""
+    from snapspec.runtime.batch import Batch
+    from snapspec.runtime.providers import available
+    from test_batch import prompts, together
+
+    if "cuda" not in available():
+        pytest.skip(f"execution provider cuda is not available on this machine (available: {', '.join(available())})")
+    t = headed("qwen3_5_text", "replay", echo=True, dtype="float16", ep="cuda", cuda_graph=1)
+    ps = prompts(t.vocab_size, 5, seed=4)
+    kw = dict(max_new_tokens=24, stop_at_eos=False, draft_max=3)
+    with Batch(t, drafter, parallel=3) as b:
+        assert b.scheduler.pooled is not None
+        got = together(b, ps, **kw)
+        assert b.scheduler.counters.head_forwards > 0
+    with Batch(t, drafter, parallel=1) as solo:
+        for i, p in enumerate(ps):
+            assert got[i] == together(solo, [p], **kw)[0], f"{drafter}: prompt {i} differs alone"
+
+
 def test_resumed_target_context(headed, caplog):
     """A second generation on the first one's target context: the same MtpDrafter resumes its head (no warning); a
     new one has not seen the reused prefix's hidden rows, says so once, and its drafts stay verified (output equals

@@ -15,6 +15,7 @@ import pytest
 from snapspec import SnapspecError
 from snapspec.runtime import SamplingParams
 from snapspec.runtime.batch import Batch
+from snapspec.runtime.batched_session import one_row_steps
 from snapspec.runtime.device.views import Views
 from snapspec.runtime.scheduler import Scheduler, batchable
 from snapspec.runtime.state import allocate
@@ -46,7 +47,11 @@ def test_pooled_steps_equal_alone(arch, quant, loaded):
 
     def alone(prompt, drafter=None, **kw):
         with Batch(t, drafter, parallel=1, context=CONTEXT, pooled=True) as b:
-            return together(b, [prompt], **kw)[0]
+            got = together(b, [prompt], **kw)[0]
+            c = b.scheduler.counters
+        # a step of one row, or of two where a one-row call takes another kernel (batched_session.one_row_steps)
+        assert c.padded_rows == (0 if one_row_steps(t) else c.pooled_forwards) and c.pooled_forwards, c
+        return got
 
     if batchable(t) is not None:
         pytest.skip(f"not batchable: {batchable(t)}")

@@ -165,3 +165,29 @@ def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
             alone = solo.generate([messages], max_new_tokens=12)[0]
             got = (replies if i < len(conversations) else again)[i % len(conversations)]
             assert got == alone, f"request {i} together differs from its pooled run alone"
+
+
+def test_pooled_serve_on_cuda(chat_export, tmp_path):
+    """`serve --ep cuda --cuda-graph 1 --parallel 3` (pooled steps on by default there, --pooled auto): 5
+    conversations at once, the plain steps pooled, each reply equal to its run on one pooled slot of a Batch on the
+    same GPU. First turns only: on CUDA a later turn resumed from a kept state is not held bitwise to a whole-prompt
+    prefill (docs/exactness.md)."""
+    from snapspec.runtime import load
+    from snapspec.runtime.batch import Batch
+    from snapspec.runtime.providers import available
+
+    if "cuda" not in available():
+        pytest.skip(f"execution provider cuda is not available on this machine (available: {', '.join(available())})")
+    target = chat_export("qwen3_5_text", "lfm2", dtype="float16")
+    conversations = [[{"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(5)]
+    flags = ("--ep", "cuda", "--cuda-graph", "1", "--max-new-tokens", "12", "--cache-ram", "0", "--parallel", "3")
+    with serving(tmp_path / "server.log", target, *flags) as server:
+        assert "plain steps pooled over the slots' state" in server["log"].read_text()
+        replies = ask_all(server, conversations)
+        m = metrics(server)
+    assert m["snapspec_batch_pooled_forwards_total"] > 0
+    model = load(target, "cuda", rollback="replay", cuda_graph=1)
+    with Batch(model, parallel=1) as solo:
+        assert solo.scheduler.pooled is not None
+        for i, messages in enumerate(conversations):
+            assert replies[i] == solo.generate([messages], max_new_tokens=12)[0], f"request {i} differs alone"

@@ -56,6 +56,24 @@ def batched_session(model, n: int, weights: dict | None = None, graph: str = "fo
                      cuda_graph=cuda_graph)
 
 
+def one_row_steps(model) -> bool:
+    """Whether a pooled step of one sequence may run one row (state/pool.py rows_for): whether the pooled graph's
+    one-row call gives the row the bits a call of several rows gives it. It does on CUDA (a pooled sequence is held
+    to its own pooled runs there, not across row counts: docs/exactness.md), for float exports (every op but
+    attention, along the batch axis: tests/export/test_batch_rows.py; a pooled step's attention is one query row a
+    sequence at every n), and for int4 where this CPU's MatMulNBits are bitwise across row counts as exported. Where
+    load() pairs one-row calls (runtime/exactness.py: AVX2), the pooled graph runs as exported (batched_session), so
+    a sequence alone runs two rows."""
+    m = model.manifest
+    if model.device != "cpu" or m.data["export"].get("quant") != "int4":
+        return True
+    import onnx
+
+    from . import exactness
+    graph = onnx.load(str(m.graph_path("forward")), load_external_data=False)
+    return not exactness.needs_fallback(graph, model.threads)
+
+
 def batchable(model) -> str | None:
     """Why this loaded model cannot run several sequences in one forward, or None."""
     m = model.manifest

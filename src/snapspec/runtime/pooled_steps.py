@@ -20,7 +20,7 @@ import threading
 
 from snapspec import SnapspecError
 
-from .batched_session import batched_session
+from .batched_session import batched_session, one_row_steps
 from .runners.batched import Call, aligned
 from .runners.pooled import PooledRunner
 from .state.pool import StatePool
@@ -29,7 +29,8 @@ from .state.pool import StatePool
 class PooledSteps:
     def __init__(self, scheduler, capacity: int, keep_free: bool = False):
         self.scheduler = scheduler
-        self.pool = StatePool(capacity, scheduler.model.device, keep_free)
+        fewest = 1 if one_row_steps(scheduler.model) else 2  # rows a step runs at least (state/pool.py)
+        self.pool = StatePool(capacity, scheduler.model.device, keep_free, fewest)
         self.busy: dict[int, int] = {}  # pool slot -> sequences running on it
         # held by a step from choosing its rows to forgetting the idle ones, and by join: a sequence that takes a
         # free slot while a step overwrites it waits for the step, then finds the slot forgotten (Context.vacant)

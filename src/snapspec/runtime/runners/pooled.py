@@ -19,8 +19,9 @@ lengths given per row (batched_graph.pooled): one attention node and one recurre
   rows, so every row must stand at slot k. Sequences in the minority move their state over first (`flip`, a device
   copy), as the scheduler's batched CUDA graphs do (runners/batched.aligned).
 - No spare attention row: the mask spans each KV buffer's rows, so a step is one query row a sequence, the call
-  onnxruntime's GroupQueryAttention accepts for several sequences after a past. A sequence alone takes the spare
-  row (two rows a step). On CUDA the two are not held bitwise equal (docs/exactness.md: CUDA is compared within a
+  onnxruntime's GroupQueryAttention accepts for several sequences after a past. (A Generator's step takes the spare
+  row: two query rows.) A pooled sequence alone runs one row, or two where a one-row call would take another
+  kernel (state/pool.py rows_for). On CUDA the two are not held bitwise equal (docs/exactness.md: CUDA is compared within a
   tolerance); every sequence gets the bits it gets on this path alone (n = 1), which `tests/runtime/test_pooled.py`
   checks on CPU and scripts/gpu/pooled_probe.py on a GPU.
 - On CUDA with the scheduler's graphs, each (n, k) is a CUDA graph, captured at its first run and replayed after:

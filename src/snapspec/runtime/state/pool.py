@@ -21,12 +21,13 @@ from . import allocate, value_dtype
 
 
 class StatePool:
-    def __init__(self, capacity: int, device: str, keep_free: bool = False):
+    def __init__(self, capacity: int, device: str, keep_free: bool = False, fewest: int = 1):
         self.slots = int(capacity)  # contexts it takes
         # a free slot's state survives the pooled steps that run its row (moved to the step's replay slot first: a
         # copy), for the next request that resumes it (a server's conversation); else it is forgotten (at no cost)
         self.keep_free = keep_free
         self.device = device
+        self.fewest = fewest  # rows a step runs at least (rows_for)
         self.capacity = self.rows_for(self.slots)  # rows of each buffer
         self.views = Views()
         self.kv: dict = {}  # name -> [N, kv_heads, rows, head_dim]
@@ -71,9 +72,8 @@ class StatePool:
             self.recurrent = [{name: rows(v) for name, v in ctx.recurrent.slots[j].items()} for j in (0, 1)]
 
     def rows_for(self, n: int) -> int:
-        """The rows a step of the first n slots runs: n, and on CPU at least 2. A batched forward never makes a
-        one-row MatMulNBits call (batched_session.py checks that calls of 2 and more rows give each row the bits of
-        the paired one-row call, or pairs them), and a one-row call on an AVX2 CPU takes another kernel (emulated
-        AVX2: a pooled sequence alone then parted from itself among three in LFM2 int4); the extra row is one no
-        sequence reads."""
-        return max(n, 2) if self.device == "cpu" else n
+        """The rows a step of the first n slots runs: n, and at least `fewest`: 2 where a one-row call would take
+        another kernel than a row among several (batched_session.one_row_steps: int4 on a CPU whose one-row
+        MatMulNBits calls load() pairs, AVX2 among them; emulated there, a pooled sequence alone parted from itself
+        among three in LFM2 int4 before this). The extra row is one no sequence reads."""
+        return max(n, self.fewest)
