@@ -18,10 +18,16 @@ from pathlib import Path
 SNAPSPEC = str(Path(sys.executable).parent / "snapspec")
 
 
+def cli() -> list[str]:
+    """The command that runs snapspec: its installed script, or the module where the package is only importable (a
+    GPU machine running the checkout from PYTHONPATH: scripts/gpu/gpu_check_remote.sh pytest)."""
+    return [SNAPSPEC] if Path(SNAPSPEC).exists() else [sys.executable, "-m", "snapspec"]
+
+
 def start(log: Path, target: Path, *flags: str, env: dict | None = None) -> tuple[subprocess.Popen, int]:
     """Start `snapspec serve --target target *flags --port 0` and wait (up to 60 s) for its address."""
     with open(log, "w") as err:
-        proc = subprocess.Popen([SNAPSPEC, "serve", "--target", str(target), "--port", "0", *flags],
+        proc = subprocess.Popen([*cli(), "serve", "--target", str(target), "--port", "0", *flags],
                                 stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
     for _ in range(300):
         found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text())

@@ -37,6 +37,9 @@
 #                                                     NOFLASH=1: the probe again without flash attention
 #   scripts/gpu/gpu_check_remote.sh poolbatch C2 OUT benchmarks/batching.py, 16 together against one at a time, CUDA
 #                                                     graphs, pooled steps (runners/pooled.py) on and off, twice
+#   scripts/gpu/gpu_check_remote.sh servepool C2 OUT snapspec serve --parallel 16 --cuda-graph 1, pooled steps on and
+#                                                     off (benchmarks/serve_parallel.py concurrent: 16 clients x 2
+#                                                     requests, and the same one at a time before and after), twice
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -54,7 +57,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|pytest|batch|profile|stepping|graphs|hostcmp|pooled|poolbatch)
+run|pytest|batch|profile|stepping|graphs|hostcmp|pooled|poolbatch|servepool)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out && out=$(cd $out && pwd)
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -86,7 +89,7 @@ PY
   } 2>&1 | tee $out/env.txt
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
   if [ $cmd = pytest ]; then  # the tests PYTEST names (paths and options), from the source's root
-    cd $G/src && python3 -m pytest ${PYTEST:?} -q -rs -p no:xdist -p no:cacheprovider 2>&1 | tee $out/pytest.txt; exit; fi
+    cd $G/src && python3 -m pytest ${PYTEST:?} -q -rs -n 0 -p no:cacheprovider 2>&1 | tee $out/pytest.txt; exit; fi
   cd $G/src && export PAIR_A_TOKENIZER=$c2/pair-a
   [ $cmd = batch ] && for a in qwen3_5 lfm2; do python3 scripts/gpu/batch_diag.py $a cuda 2>&1 | grep -v Writing | tee -a $out/batch-diag.txt; done
   { [ $cmd = graphs ] || [ $cmd = hostcmp ]; } && [ -n "${GDIAG:-}" ] && { timeout 540 python3 scripts/gpu/graphs_diag.py ${GDIAG_ARCHS:-} 2>&1 |
@@ -121,6 +124,17 @@ PY
           --alone ${ALONE:-generator} --json $out/poolbatch-$shape-$pl.json > $out/poolbatch-$shape-$pl.log 2>&1
         echo "pooled=$pl exit $?" | tee -a $out/poolbatch-$shape.txt
         grep '^rep' $out/poolbatch-$shape-$pl.log | sed "s/^/pooled=$pl /" | tee -a $out/poolbatch-$shape.txt
+      done
+      continue
+    fi
+    if [ $cmd = servepool ]; then  # snapspec serve --parallel 16 with pooled steps on and off, alternating twice
+      for rep in 1 2; do
+        for pl in on off; do
+          timeout 280 python3 benchmarks/serve_parallel.py concurrent --target /tmp/gc/x-$shape --parallel 16 \
+            --clients 16 --requests ${SERVE_REQUESTS:-2} --max-tokens ${SERVE_TOKENS:-128} --prompts $c2/prompts.jsonl \
+            --server-args="--ep cuda --cuda-graph 1 --pooled $pl --cache-ram 0" \
+            --out $out/servepool-$shape-$pl-$rep.json 2>&1 | tail -4 | sed "s/^/pooled=$pl /" | tee -a $out/servepool-$shape.txt
+        done
       done
       continue
     fi

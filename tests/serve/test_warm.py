@@ -21,15 +21,16 @@ def target(chat_export):
     return chat_export("qwen3_5_text", "lfm2")
 
 
-def _worker(target, drafter, parallel: int, warm: bool) -> Worker:
+def _worker(target, drafter, parallel: int, warm: bool, *more: str) -> Worker:
     from snapspec.cli.main import build_parser
     from snapspec.cli.options import generation_kwargs, load_models
 
-    flags = ["serve", "--target", str(target), "--threads", "1", "--cache-ram", "0", "--parallel", str(parallel)]
+    flags = ["serve", "--target", str(target), "--threads", "1", "--cache-ram", "0", "--parallel", str(parallel),
+             *more]
     args = build_parser().parse_args(flags + (["--drafter", drafter, "--draft-max", "3"] if drafter else []))
     t, d = load_models(args, args.target, args.drafter)
     return Worker(t, d, model_id="m", context=None, raw=False, defaults=generation_kwargs(args, t, d),
-                  parallel=args.parallel, warm=warm)
+                  parallel=args.parallel, warm=warm, pooled=args.pooled)
 
 
 def _serve_all(worker: Worker) -> list[list[int]]:

@@ -247,6 +247,8 @@ def run(args) -> int:
     from .options import load_models
 
     long_context_attention(args)
+    if args.parallel not in ("auto", 1) and args.ep == "cuda" and args.rollback == "auto":
+        args.rollback = "replay"  # batched forwards run the forward graph, not the state-window graph (batchable)
     target, drafter = load_models(args, args.target, args.drafter)
     defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,

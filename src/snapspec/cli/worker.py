@@ -275,8 +275,17 @@ class Worker(lifecycle.Admission):
         _next_stepped). Under the lock."""
         from snapspec.runtime.prompt import common_prefix
 
-        # ties to the lowest slot: requests stay on the first slots, which pooled steps run (runtime/state/pool.py)
-        slot = max(self._free, key=lambda c: (common_prefix(c.tctx.tokens, ids), -self.slots.index(c)))
+        free = self._free
+        if self.scheduler is not None and self.scheduler.pooled is not None:
+            # a pooled step runs every row up to the highest running slot (runtime/state/pool.py): a request back on
+            # its conversation's slot above that and the lowest free one would make every step that many rows (one
+            # request alone on slot 15 of 16 decoded 3-4x slower on an H100). It resumes only from slots up to
+            # there; a prefix held elsewhere comes from the prefix cache (shared by every slot), or is prefilled.
+            busy = [i for i, c in enumerate(self.slots) if c not in free]
+            bound = max(busy + [min(self.slots.index(c) for c in free)])
+            free = [c for c in free if self.slots.index(c) <= bound]
+        # ties to the lowest slot: requests stay on the first slots, which pooled steps run
+        slot = max(free, key=lambda c: (common_prefix(c.tctx.tokens, ids), -self.slots.index(c)))
         self._free.remove(slot)
         return slot
 
