@@ -112,8 +112,9 @@ def main(argv=None) -> int:
                "tokens_per_s": round(n * a.new / total, 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        if a.ort_profile is not None and n == max(sizes) and n > 1:
-            runner = batch.scheduler._runners.get(("forward", n, bool(a.graphs)))
+        pool = batch.scheduler.pooled
+        if a.ort_profile is not None and (pool is not None or (n == max(sizes) and n > 1)):  # pooled: every n
+            runner = pool.runner if pool is not None else batch.scheduler._runners.get(("forward", n, bool(a.graphs)))
             if runner is not None:
                 rows.append({"ort_profile": summarize(runner.session.end_profiling())})
                 print(json.dumps(rows[-1]), flush=True)
