@@ -88,8 +88,8 @@ def hf_model(tiny_model):
 @pytest.fixture(scope="session")
 def chat_export(tmp_path_factory):
     """chat_export("qwen3_5_text", "lfm2", **export_options) -> Path of an exported tiny chat model
-    (tests/chat_models.py): the character tokenizer, the named template style, <|im_end|> as end of turn. Same-style exports share a
-    vocabulary, so any two make a target and drafter pair."""
+    (tests/chat_models.py): the character tokenizer, the named template style, <|im_end|> as end of turn. Same-style
+    exports share a vocabulary, so any two make a target and drafter pair."""
     from chat_models import make_chat_model
 
     from snapspec.export import export

@@ -21,9 +21,9 @@ lengths given per row (batched_graph.pooled): one attention node and one recurre
 - No spare attention row: the mask spans each KV buffer's rows, so a step is one query row a sequence, the call
   onnxruntime's GroupQueryAttention accepts for several sequences after a past. (A Generator's step takes the spare
   row: two query rows.) A pooled sequence alone runs one row, or two where a one-row call would take another
-  kernel (state/pool.py rows_for). On CUDA the two are not held bitwise equal (docs/exactness.md: CUDA is compared within a
-  tolerance); every sequence gets the bits it gets on this path alone (n = 1), which `tests/runtime/test_pooled.py`
-  checks on CPU and scripts/gpu/pooled_probe.py on a GPU.
+  kernel (state/pool.py rows_for). The two are not held bitwise equal (docs/exactness.md); every sequence gets the
+  bits it gets on this path alone (n = 1), which `tests/runtime/test_pooled.py` checks on CPU (and under
+  scripts/cpu/avx2_kernels.sh) and scripts/gpu/pooled_probe.py on a GPU.
 - On CUDA with the scheduler's graphs, each (n, k) is a CUDA graph, captured at its first run and replayed after:
   every input (ids | positions, the lengths) is a device buffer per n, rewritten before each run on the stream.
 """
