@@ -40,6 +40,8 @@
 #   scripts/gpu/gpu_check_remote.sh servepool C2 OUT snapspec serve --parallel 16 --cuda-graph 1, pooled steps on and
 #                                                     off (benchmarks/serve_parallel.py concurrent: 16 clients x 2
 #                                                     requests, and the same one at a time before and after), twice
+#   scripts/gpu/gpu_check_remote.sh rollbackab C2 OUT one sequence, n-gram drafts k=3 and plain (snapspec bench,
+#                                                     --cuda-graph 9): the state-window graph against replay, twice
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
 #                                                     CPU with C2's onnxruntime CPU package (SRC: the snapspec source
 #                                                     folder, default src.tar's), then tests/export/test_int4_exactness.py
@@ -57,7 +59,7 @@ stash)
   python3 -m pip show tokenizers jinja2 rich llguidance prompt_toolkit wcwidth numpy onnx onnxruntime transformers \
     torch pytest pytest-xdist 2>&1 | grep -E '^(Name|Version)|WARNING'
   ;;
-run|pytest|batch|profile|stepping|graphs|hostcmp|pooled|poolbatch|servepool)
+run|pytest|batch|profile|stepping|graphs|hostcmp|pooled|poolbatch|servepool|rollbackab)
   c2=$(cd "${2:?C2}" && pwd); out=${3:?OUT}; mkdir -p $out && out=$(cd $out && pwd)
   cp $c2/ort90.tar.xz.* $G/parts/
   [ "$(ls $G/parts | wc -l)" = 2 ] || { echo "ort parts: $(ls $G/parts)"; exit 1; }
@@ -124,6 +126,18 @@ PY
           --alone ${ALONE:-generator} --json $out/poolbatch-$shape-$pl.json > $out/poolbatch-$shape-$pl.log 2>&1
         echo "pooled=$pl exit $?" | tee -a $out/poolbatch-$shape.txt
         grep '^rep' $out/poolbatch-$shape-$pl.log | sed "s/^/pooled=$pl /" | tee -a $out/poolbatch-$shape.txt
+      done
+      continue
+    fi
+    if [ $cmd = rollbackab ]; then  # one sequence: the state-window graph against the forward graph with replay
+      for rep in 1 2; do
+        for rb in window replay; do
+          timeout 240 python3 -m snapspec bench --target /tmp/gc/x-$shape --drafter ngram --ep cuda --cuda-graph 9 \
+            --rollback $rb --k 3 --draft-max 3 --prompts $c2/prompts.jsonl --limit 8 --max-new-tokens 128 --reps 1 \
+            --json $out/rollbackab-$shape-$rb-$rep.json > $out/rollbackab-$shape-$rb-$rep.log 2>&1
+          echo "rollback=$rb rep $rep exit $?" | tee -a $out/rollbackab-$shape.txt
+          grep -E "plain|k=3|tok/s" $out/rollbackab-$shape-$rb-$rep.log | head -8 | tee -a $out/rollbackab-$shape.txt
+        done
       done
       continue
     fi
