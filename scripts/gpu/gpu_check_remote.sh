@@ -133,7 +133,7 @@ PY
       for rep in 1 2; do
         for rb in window replay; do
           timeout 240 python3 -m snapspec bench --target /tmp/gc/x-$shape --drafter ngram --ep cuda --cuda-graph 9 \
-            --rollback $rb --k 3 --draft-max 3 --prompts $c2/prompts.jsonl --limit 8 --max-new-tokens 128 --reps 1 \
+            --rollback $rb --k 3 --prompts $c2/prompts.jsonl --limit 8 --max-new-tokens 128 --reps 1 \
             --json $out/rollbackab-$shape-$rb-$rep.json > $out/rollbackab-$shape-$rb-$rep.log 2>&1
           echo "rollback=$rb rep $rep exit $?" | tee -a $out/rollbackab-$shape.txt
           grep -E "plain|k=3|tok/s" $out/rollbackab-$shape-$rb-$rep.log | head -8 | tee -a $out/rollbackab-$shape.txt
