@@ -168,10 +168,10 @@ def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
 
 
 def test_pooled_serve_on_cuda(chat_export, tmp_path):
-    """`serve --ep cuda --cuda-graph 1 --parallel 3` (pooled steps on by default there, --pooled auto): 5
-    conversations at once, the plain steps pooled, each reply equal to its run on one pooled slot of a Batch on the
-    same GPU. First turns only: on CUDA a later turn resumed from a kept state is not held bitwise to a whole-prompt
-    prefill (docs/exactness.md)."""
+    """`serve --ep cuda --cuda-graph 1` (--parallel auto: 4 slots on the forward graph with replay; pooled steps on by
+    default there, --pooled auto): 6 conversations at once, the plain steps pooled, each reply equal to its run on
+    one pooled slot of a Batch on the same GPU. First turns only: on CUDA a later turn resumed from a kept state is
+    not held bitwise to a whole-prompt prefill (docs/exactness.md)."""
     from snapspec.runtime import load
     from snapspec.runtime.batch import Batch
     from snapspec.runtime.providers import available
@@ -179,10 +179,11 @@ def test_pooled_serve_on_cuda(chat_export, tmp_path):
     if "cuda" not in available():
         pytest.skip(f"execution provider cuda is not available on this machine (available: {', '.join(available())})")
     target = chat_export("qwen3_5_text", "lfm2", dtype="float16")
-    conversations = [[{"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(5)]
-    flags = ("--ep", "cuda", "--cuda-graph", "1", "--max-new-tokens", "12", "--cache-ram", "0", "--parallel", "3")
+    conversations = [[{"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(6)]
+    flags = ("--ep", "cuda", "--cuda-graph", "1", "--max-new-tokens", "12", "--cache-ram", "0")
     with serving(tmp_path / "server.log", target, *flags) as server:
-        assert "plain steps pooled over the slots' state" in server["log"].read_text()
+        log = server["log"].read_text()
+        assert "up to 4 requests decoded together" in log and "plain steps pooled over the slots' state" in log
         replies = ask_all(server, conversations)
         m = metrics(server)
     assert m["snapspec_batch_pooled_forwards_total"] > 0
