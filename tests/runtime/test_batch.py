@@ -303,3 +303,25 @@ def test_refusals(loaded, tiny_export):
     with Batch(t, parallel=1, context=CONTEXT) as b:
         with pytest.raises(SnapspecError, match="is the Batch's"):
             b.submit([5, 6, 7], drafter="ngram")
+
+
+def test_stepping_choice_with_drafter_models():
+    """stepping.choose: "auto" is threads where a slot drafts with a model (its forwards overlap on the CPU's cores),
+    but one where that model replays CUDA graphs, which onnxruntime cannot replay from several threads (a
+    segmentation fault on an H100: tests/runtime/test_pooled.py's CUDA case with a drafter model), and asking for
+    threads there is a one-line error."""
+    from types import SimpleNamespace
+
+    from snapspec.runtime import stepping
+
+    def slot(captured):
+        return SimpleNamespace(extras=SimpleNamespace(context=SimpleNamespace(captured=captured)))
+
+    ngram = SimpleNamespace(extras=SimpleNamespace(context=None))
+    assert stepping.choose("auto", [ngram, ngram]) == "one"
+    assert stepping.choose("auto", [slot(None), slot(None)]) == "threads"
+    assert stepping.choose("auto", [slot(object()), slot(object())]) == "one"
+    assert stepping.choose("one", [slot(object()), slot(object())]) == "one"
+    assert stepping.choose("threads", [slot(object())]) == "threads"  # one slot: nothing runs beside it
+    with pytest.raises(SnapspecError, match="cannot replay from several threads"):
+        stepping.choose("threads", [slot(object()), slot(object())])

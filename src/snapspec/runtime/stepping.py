@@ -38,12 +38,19 @@ MODES = ("auto", "one", "threads")
 def choose(stepping: str, drafters) -> str:
     """"one" or "threads" for a Batch's or a server's slots, whose draft sources are `drafters`: "auto" is "threads"
     where a slot drafts with a model (its context runs forwards outside the scheduler, which threads overlap on the
-    CPU's cores; module doc), else "one"."""
+    CPU's cores; module doc), else "one". Not where that model replays CUDA graphs: the replays of one session from
+    several threads crashed onnxruntime-gpu 1.31 (a segmentation fault on an H100, three slots of a drafter model
+    with --cuda-graph), so "auto" is "one" there and "threads" a one-line error."""
     if stepping not in MODES:
         raise SnapspecError(f"stepping must be auto, one or threads, got {stepping!r}")
+    contexts = [d.extras.context for d in drafters if d is not None and d.extras.context is not None]
+    captured = any(c.captured is not None for c in contexts)
+    if stepping == "threads" and captured and len(drafters) > 1:
+        raise SnapspecError("stepping threads: the slots' drafter model replays CUDA graphs, which onnxruntime "
+                            "cannot replay from several threads; step them in one thread (stepping one)")
     if stepping != "auto":
         return stepping
-    return "threads" if any(d is not None and d.extras.context is not None for d in drafters) else "one"
+    return "threads" if contexts and not captured else "one"
 
 
 class _Sequence(greenlet.greenlet):
