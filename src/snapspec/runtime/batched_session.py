@@ -21,7 +21,7 @@ def batched_session(model, n: int, weights: dict | None = None, graph: str = "fo
     slot-major state instead (batched_graph.pooled; runners/pooled.py), for up to n sequences. Its threads do not
     spin between runs: its runs take turns with the contexts' own sessions (prefills, a verify alone), and workers
     spinning after one session's run hold the cores the other's run needs (2 cores, pair-a int4: the first pooled
-    steps after a prefill took 8-12 ms against 1.8; requests through `serve --pooled on` ran 0.84x one at a time;
+    steps after a prefill took 6-12 ms against 1.8; requests through `serve --pooled on` ran 0.84x one at a time;
     the batched graph at 4 sequences 5% slower end to end). A step of this session alone is as fast either way."""
     import onnx
 
