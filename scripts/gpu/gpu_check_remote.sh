@@ -86,7 +86,8 @@ print(ort.__file__, ort.__version__, ort.get_available_providers(), s.get_provid
 assert s.get_providers()[0] == "CUDAExecutionProvider" and np.abs(y - ref).max() < 0.05 * np.abs(ref).max()
 PY
   [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-  { echo "snapspec (src.tar): $(cat $c2/src.commit)"; nvidia-smi -L
+  { if [ -e $c2/src.tar ]; then echo "snapspec (src.tar): $(cat $c2/src.commit)"; else echo "snapspec: the carried tree"; fi
+    nvidia-smi -L
     python3 -c "import torch, transformers, onnx; print('torch', torch.__version__, 'transformers', transformers.__version__, 'onnx', onnx.__version__)"
   } 2>&1 | tee $out/env.txt
   if [ $cmd = run ]; then bash $G/src/scripts/gpu/gpu_check.sh "" $out; exit; fi
