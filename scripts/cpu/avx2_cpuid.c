@@ -7,8 +7,9 @@
    inherit the setting; an exec'd child that inherits LD_PRELOAD loads this again.
 
    A benchmark and test aid, never shipped in the package: the kernels chosen are those of an AVX2 machine, run on
-   this machine's cores, caches and memory (not an AVX2 machine's speed). Another library's SIGSEGV handler (Python's
-   faulthandler) is kept and called for every other fault. */
+   this machine's cores, caches and memory (not an AVX2 machine's speed). Another library's SIGSEGV handler set
+   through sigaction (Python's faulthandler) is kept and called for every other fault; one set through signal(),
+   which glibc routes past this wrapper, would replace this handler (none of the libraries used here does that). */
 #define _GNU_SOURCE
 #include <asm/prctl.h>
 #include <dlfcn.h>

@@ -123,6 +123,17 @@ def test_load_takes_the_graph_not_the_per_round_choice(tiny_export):
         load(folder, recurrent="replay")
 
 
+def test_a_batching_target_loads_the_graph_batches_run():
+    """policy.for_batching (serve --parallel): auto on CUDA, which picks the state-window graph for one sequence,
+    becomes replay, the forward graph that batches; a rollback someone chose stays theirs."""
+    from snapspec.runtime.policy import for_batching
+    assert for_batching("auto", "cuda") == "replay"
+    assert [for_batching("auto", "cpu"), for_batching("window", "cuda"), for_batching("replay", "cuda")] == \
+        ["auto", "window", "replay"]
+    with pytest.raises(SnapspecError, match="unknown rollback"):
+        for_batching("ring", "cuda")
+
+
 def test_replaced_names_say_what_to_use():
     with pytest.raises(ImportError, match=r"use Policy\(model\)\.open"):
         from snapspec.runtime import open_context  # noqa: F401

@@ -247,11 +247,9 @@ def run(args) -> int:
     from .options import load_models
 
     long_context_attention(args)
-    if args.parallel != 1 and args.ep == "cuda" and args.rollback == "auto":
-        # batched forwards run the forward graph, not the state-window graph (batchable): serve requests together
-        # there (one sequence decodes alike on both; the window graph's cheaper rollback is worth ~5% of one
-        # speculative sequence: docs/serve.md, "Parallel requests")
-        args.rollback = "replay"
+    if args.parallel != 1:  # requests together: the graph batching runs (policy.for_batching)
+        from snapspec.runtime.policy import for_batching
+        args.rollback = for_batching(args.rollback, args.ep)
     target, drafter = load_models(args, args.target, args.drafter)
     defaults = generation_kwargs(args, target, drafter)
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,

@@ -281,9 +281,9 @@ class Worker(lifecycle.Admission):
             # its conversation's slot above that and the lowest free one would make every step that many rows (one
             # request alone on slot 15 of 16 decoded 3-4x slower on an H100). It resumes only from slots up to
             # there; a prefix held elsewhere comes from the prefix cache (shared by every slot), or is prefilled.
-            busy = [i for i, c in enumerate(self.slots) if c not in free]
-            bound = max(busy + [min(self.slots.index(c) for c in free)])
-            free = [c for c in free if self.slots.index(c) <= bound]
+            row = lambda c: c.tctx.pool_slot  # noqa: E731
+            bound = max([row(c) for c in self.slots if c not in free] + [min(map(row, free))])
+            free = [c for c in free if row(c) <= bound]
         # ties to the lowest slot: requests stay on the first slots, which pooled steps run
         slot = max(free, key=lambda c: (common_prefix(c.tctx.tokens, ids), -self.slots.index(c)))
         self._free.remove(slot)

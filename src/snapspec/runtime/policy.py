@@ -38,6 +38,14 @@ def check(rollback: str) -> str:
     return rollback
 
 
+def for_batching(rollback: str, ep: str) -> str:
+    """The rollback a target that runs several sequences in one forward is loaded with: `auto` picks the state-window
+    graph on CUDA, which runs one sequence (runtime/batched_session.batchable), so there it is replay, the forward
+    graph. One sequence decodes alike on both (an H100, pair-a's shape: docs/serve.md, "Parallel requests"); the
+    window graph's cheaper rollback is worth about 5% of a lone speculative sequence."""
+    return "replay" if check(rollback) == "auto" and ep == "cuda" else rollback
+
+
 def graph_for(m, ep: str, role: str, rollback: str) -> str:
     """forward, forward_window or forward_ring: the graph a model of this role runs under this rollback."""
     if check(rollback) == "checkpoint":
