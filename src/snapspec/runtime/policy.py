@@ -5,7 +5,8 @@ Every Context is opened here (`Policy.open`); the Pair holds one Policy and asks
 One user-facing name, `rollback` (`--rollback`), with these values:
 - auto: bounded rollback; each side's store follows from its export and its side of the pair (below);
 - replay / window: force the target's recurrent store (window: onnxruntime's state_window graph, CUDA only); chosen
-  when the target is loaded, since they pick its forward graph;
+  when the target is loaded, since they pick its forward graph (a target loaded to batch several sequences takes
+  `for_batching`'s: auto is replay on CUDA);
 - checkpoint: copy the state before every round and restore it after (the slow baseline, for comparisons); a
   per-generation choice (load() takes auto, replay or window only).
 
