@@ -1,5 +1,6 @@
 """What each extra row of a weight MatMul costs on CPU: int4 MatMulNBits (accuracy levels 4 and 1) against a float32
-MatMul, at 1..M rows, one node, random weights.
+MatMul, at 1..M rows, one node, random weights; `int8-level4`: the same int4 values (0..15, zero point 8) stored as
+an 8-bit MatMulNBits, the same weights to the bit, which MLAS runs with other kernels.
 
     python benchmarks/matmul_rows_cpu.py --shape 1536x512 --shape 3584x1024 --rows 1,2,4,6,8,12,16,24,32 \
         --threads 2 --json benchmarks/results/cpu/matmul-rows-avx2.json
@@ -8,7 +9,8 @@ Continuous batching (docs/batching.md) gains by running several sequences' rows 
 Where the weights stream from memory (float32 at real shapes) an extra row is nearly free; where the kernel's
 arithmetic per row dominates it is not, and B sequences cost close to B times one. This measures that per node so a
 batching figure can be read against it: `us` per call and `per_row` (us / rows) for each kind and row count, median
-of `--reps` blocks of 50 calls after a warm-up. A snapspec int4 one-token step pairs its row (runtime/exactness.py:
+of `--reps` blocks of 50 calls after a warm-up, and `bitwise`: whether each row of every m-row call equals the
+one-row call of that row (what runtime/exactness.py probes). A snapspec int4 one-token step pairs its row (runtime/exactness.py:
 two rows, so that one-row and several-row calls take one kernel), so the one-token cost to compare a batch of B
 against is the 2-row call's.
 """
@@ -40,13 +42,31 @@ def graph(kind: str, n: int, k: int, block: int, rng) -> bytes:
         level = int(kind.rsplit("level", 1)[1])
         packed = rng.integers(0, 256, (n, k // block, block // 2), dtype=np.uint8)
         scales = rng.random(n * (k // block), dtype=np.float32) * 0.01 + 0.001
-        node = h.make_node("MatMulNBits", ["x", "w", "s"], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
-                           block_size=block, accuracy_level=level)
+        bits, inputs = 4, ["x", "w", "s"]
         inits = [nh.from_array(packed, "w"), nh.from_array(scales, "s")]
+        if kind.startswith("int8"):  # the nibbles as bytes (low nibble first), zero point 8 as int4's default
+            values = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, k // block, block)
+            zero = np.full((n, k // block), 8, np.uint8)
+            bits, inputs = 8, inputs + ["z"]
+            inits = [nh.from_array(values, "w"), nh.from_array(scales, "s"), nh.from_array(zero, "z")]
+        node = h.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=k, N=n, bits=bits,
+                           block_size=block, accuracy_level=level)
     m = h.make_model(h.make_graph([node], "rows", [x], [y], inits),
                      opset_imports=[h.make_opsetid("", 21), h.make_opsetid("com.microsoft", 1)])
     m.ir_version = 10
     return m.SerializeToString()
+
+
+def bitwise(model: bytes, k: int, rows: list[int], threads: int) -> bool:
+    """Whether every row of each m-row call equals that row's one-row call."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(99).standard_normal((max(rows), k), dtype=np.float32)
+    one = [sess.run(None, {"x": x[i:i + 1]})[0][0] for i in range(max(rows))]
+    return all(np.array_equal(sess.run(None, {"x": x[:m]})[0][i], one[i]) for m in rows for i in range(m))
 
 
 def time_rows(model: bytes, k: int, rows: list[int], threads: int, reps: int) -> dict[int, float]:
@@ -98,10 +118,12 @@ def main(argv=None) -> int:
     for shape in a.shape or ["1536x512"]:
         n, k = (int(v) for v in shape.split("x"))
         for kind in a.kinds.split(","):
-            t = time_rows(graph(kind, n, k, a.block_size, np.random.default_rng(0)), k, rows, a.threads, a.reps)
-            res["runs"].append({"n": n, "k": k, "kind": kind, "us": t, "per_row": {m: t[m] / m for m in rows}})
-            print(f"{n}x{k} {kind:12s} " + "  ".join(f"m={m}: {t[m]:.0f}us ({t[m] / m:.1f}/row)" for m in rows),
-                  flush=True)
+            model = graph(kind, n, k, a.block_size, np.random.default_rng(0))
+            t, same = time_rows(model, k, rows, a.threads, a.reps), bitwise(model, k, rows, a.threads)
+            res["runs"].append({"n": n, "k": k, "kind": kind, "us": t, "per_row": {m: t[m] / m for m in rows},
+                                "bitwise": same})
+            print(f"{n}x{k} {kind:12s} " + "  ".join(f"m={m}: {t[m]:.0f}us ({t[m] / m:.1f}/row)" for m in rows)
+                  + f"  bitwise across rows: {same}", flush=True)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(res, indent=1))
