@@ -10,9 +10,9 @@ Where the weights stream from memory (float32 at real shapes) an extra row is ne
 arithmetic per row dominates it is not, and B sequences cost close to B times one. This measures that per node so a
 batching figure can be read against it: `us` per call and `per_row` (us / rows) for each kind and row count, median
 of `--reps` blocks of 50 calls after a warm-up, and `bitwise`: whether each row of every m-row call equals the
-one-row call of that row (what runtime/exactness.py probes). A snapspec int4 one-token step pairs its row (runtime/exactness.py:
-two rows, so that one-row and several-row calls take one kernel), so the one-token cost to compare a batch of B
-against is the 2-row call's.
+one-row call of that row (what runtime/exactness.py probes). A snapspec int4 one-token step pairs its row where they
+differ (runtime/exactness.py: two rows, so that one-row and several-row calls take one kernel), so the one-token cost
+to compare a batch of B against is then the 2-row call's.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def time_rows(model: bytes, k: int, rows: list[int], threads: int, reps: int) ->
 
 def cpu() -> str:
     try:
-        info = dict(line.split(":", 1) for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=False)
-                    .stdout.splitlines() if ":" in line)
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     except OSError:
         return platform.processor()
     flags = [f for f in info.get("Flags", "").split() if f.startswith(("avx", "amx", "fma"))]
