@@ -9,8 +9,13 @@ at n = 1, bit for bit, not to a Generator's. On a GPU the same is checked by scr
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from snapspec import SnapspecError
 from snapspec.runtime import SamplingParams
@@ -192,3 +197,69 @@ def test_what_the_pool_refuses(loaded):
         s.close()
     with pytest.raises(SnapspecError, match="pooled is the scheduler's"):
         Batch(t, parallel=2, context=CONTEXT, scheduler=Scheduler(t), pooled=True)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_lanes_equal_the_forwards_they_replace(loaded, data, monkeypatch):
+    """Plain greedy sequences stepped in the scheduler's thread hand their pooled steps over as Lanes
+    (pooled_steps.Lane), without Context.forward's layers. Under random arrivals, budgets, stops at the end of the
+    context and cancellations, every sequence's tokens equal the same prompt's on the forward path (threads: no
+    lanes), bit for bit, and Lanes took every plain step of the stepped run."""
+    from snapspec.runtime import pooled_steps
+
+    arch = data.draw(st.sampled_from(["qwen3_5", "lfm2", "mamba2"]), label="arch")
+    t = loaded(arch)
+    if batchable(t) is not None:
+        pytest.skip(f"not batchable: {batchable(t)}")
+    n = data.draw(st.integers(2, 5), label="prompts")
+    ps = prompts(t.vocab_size, n, seed=data.draw(st.integers(0, 99), label="seed"))
+    budgets = data.draw(st.lists(st.sampled_from([1, 2, 7, NEW, CONTEXT]), min_size=n, max_size=n), label="budgets")
+    delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01]), min_size=n, max_size=n), label="delays")
+    cancel_after = data.draw(st.lists(st.sampled_from([None, None, 2]), min_size=n, max_size=n), label="cancel")
+    steps = {"lane": 0}
+    ran = pooled_steps.Lane.ran
+
+    def counted(self, r):
+        steps["lane"] += 1
+        return ran(self, r)
+
+    monkeypatch.setattr(pooled_steps.Lane, "ran", counted)
+
+    def serve(stepping: str) -> dict[int, tuple[list[int], str]]:
+        out: dict[int, tuple[list[int], str]] = {}
+        with Batch(t, parallel=3, context=CONTEXT, pooled=True, stepping=stepping) as b:
+            def client(i: int) -> None:
+                time.sleep(delays[i])
+                seq = b.submit(ps[i], max_new_tokens=budgets[i], stop_at_eos=False)
+                got = []
+                for e in seq:
+                    got += e.tokens
+                    if cancel_after[i] is not None and len(got) >= cancel_after[i] and not e.done:
+                        seq.cancel()
+                    if e.done:
+                        out[i] = (got, e.stop_reason if e.error is None else f"error {e.error}")
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(timeout=120)
+        return out
+
+    lanes = serve("one")
+    taken = steps["lane"]
+    steps["lane"] = 0
+    forwards = serve("threads")
+    assert steps["lane"] == 0, "a sequence in a thread of its own took a lane"
+    for i in range(n):
+        got, reason = lanes[i]
+        want, want_reason = forwards[i]
+        assert not reason.startswith("error"), reason
+        if "cancelled" in (reason, want_reason):  # each stops where its cancel lands: one is a prefix of the other
+            short = min(len(got), len(want))
+            assert got[:short] == want[:short], f"prompt {i} (cancelled) parts from the forward path"
+        else:
+            assert (got, reason) == (want, want_reason), f"prompt {i}: lanes {reason}, forwards {want_reason}"
+    plain = sum(len(g) - 1 for g, r in lanes.values() if r != "cancelled")
+    assert taken >= plain, f"{taken} lane steps for {plain} plain steps"

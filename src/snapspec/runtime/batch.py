@@ -64,10 +64,12 @@ class Event:
 class Sequence:
     """A submitted prompt: iterate it for its events; cancel() ends it at the next step boundary."""
 
-    def __init__(self, index: int, events: queue.Queue | None = None):
+    def __init__(self, index: int, events: queue.SimpleQueue | None = None):
         self.index = index
-        # its events; Batch.run hands every sequence one queue, which it reads itself (one consumer, no thread each)
-        self.events: queue.Queue = events if events is not None else queue.Queue()
+        # its events; Batch.run hands every sequence one queue, which it reads itself (one consumer, no thread each).
+        # A SimpleQueue: its put is a few C calls, where queue.Queue's takes a lock and a condition in Python (a
+        # pooled step puts one event a sequence: docs/batching.md)
+        self.events: queue.SimpleQueue = events if events is not None else queue.SimpleQueue()
         self.generator: Generator | None = None
         self.cancelled = threading.Event()
         self.finished = threading.Event()
@@ -158,7 +160,7 @@ class Batch:
         return self.pairs[0].max_len
 
     def submit(self, prompt, *, raw: bool = False, chat: bool = False, template_kwargs=None, index: int | None = None,
-               events: queue.Queue | None = None, **generation) -> Sequence:
+               events: queue.SimpleQueue | None = None, **generation) -> Sequence:
         """Start a prompt (text, token ids, or messages; raw/chat/template_kwargs as generation.prompt_of) with
         Generator's keywords (max_new_tokens, sampling, draft_max, stop_strings, ...); returns its Sequence.
         events: a queue its events go to (shared with other sequences: read the queue then, not the Sequence)."""
@@ -211,7 +213,7 @@ class Batch:
 
     def run(self, prompts, **generation) -> Iterator[Event]:
         """Every prompt's events as they come (prompt i's carry index i); at most `parallel` run at once."""
-        merged: queue.Queue = queue.Queue()  # every sequence's events, read here (a thread each woke per token)
+        merged: queue.SimpleQueue = queue.SimpleQueue()  # every sequence's events, read here (one consumer)
         left = len([self.submit(p, index=i, events=merged, **generation) for i, p in enumerate(prompts)])
         while left:
             event = merged.get()

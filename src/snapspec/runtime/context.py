@@ -210,6 +210,11 @@ class Context:
             self.rollback(self.n_past - (len(r.ids) - t))
         return Rows(r.best, r.logits, hidden=r.hidden if self.hidden else None)
 
+    def lane(self):
+        """This context's plain greedy steps as a Lane of its scheduler's pooled steps (pooled_steps.Lane), where
+        the scheduler takes them from the caller; else None (forward is the way)."""
+        return self.batch.lane(self) if self.batch is not None else None
+
     def _hidden_rows(self, outs: dict) -> np.ndarray | None:
         """The forward's hidden rows on the host ([T, H]), when asked for (`hidden`) and the graph has them."""
         if not self.hidden or "hidden" not in outs:
@@ -252,6 +257,13 @@ class Context:
             s.advanced(self.n_past, t, key, outs)
         self.n_past += t
         self._tokens.extend(ids[0].tolist())
+
+    def advanced_one(self, keys: tuple, token: int, outs: dict) -> None:
+        """advance() of a one-token forward (a pooled step's Lane: pooled_steps.py)."""
+        for s, key in zip(self.stores, keys):
+            s.advanced(self.n_past, 1, key, outs)
+        self.n_past += 1
+        self._tokens.append(token)
 
     def prefill(self, tokens, chunk: int | None = None, logits: bool = True) -> Rows:
         """Consume tokens in forwards of at most `chunk` tokens; return the last row (its logits when asked)."""

@@ -11,6 +11,7 @@ incrementally (each token once), not by decoding the whole sequence every round.
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import numpy as np
@@ -160,6 +161,11 @@ class Generator:
         out = self._emit([first])
         if out:
             yield out
+        # plain greedy steps on a pooled slot go to the scheduler as a Lane (pooled_steps.py): the same row and bits
+        lane = self.tctx.lane() if self.drafter is None and not self._logits else None
+        if lane is not None:
+            yield from self._lane_steps(lane)
+            return
         try:
             while self.stop_reason is None:
                 self._calibrate()
@@ -209,6 +215,18 @@ class Generator:
             return
         with self.stats.timed("calibration"):
             self.costs = self.chooser.costs = self.pair.costs(self.policy.k_max + 1)
+
+    def _lane_steps(self, lane) -> Iterator[list[int]]:
+        """The plain steps' loop as __iter__ runs it, each step a Lane's (one token in, its argmax id out)."""
+        st, seq, seconds = self.stats, self.seq, self.stats.seconds
+        while self.stop_reason is None:
+            t = time.perf_counter()
+            new = [lane.step(seq[-1])]
+            st.target_forwards += 1
+            out = self._emit(new)
+            seconds["decode"] += time.perf_counter() - t
+            if out:
+                yield out
 
     def _plain_step(self) -> list[int]:
         rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=self._logits)

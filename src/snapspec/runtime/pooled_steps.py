@@ -12,14 +12,22 @@ attaches rows of one state pool (state/pool.py). A group of calls runs as one po
 
 The replay store's two slots are the pool's two buffers, so all rows stand at one slot k: the minority moves its
 state over first (ReplayState.flip), as for the batched CUDA graphs (runners/batched.aligned).
+
+A plain greedy sequence that the scheduler's thread steps hands it a `Lane` instead of its context's forward (the
+Generator asks `Scheduler.lane`): the same pooled row, graph and bookkeeping, without the layers a forward passes
+through on its way to the scheduler and back (Context.forward, Scheduler.forward, the pending call, the rows). On
+a GPU the host's work per sequence and step is what a pooled step waits for (docs/batching.md).
 """
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from snapspec import SnapspecError
 
+from . import stepping
 from .batched_session import batched_session, one_row_steps
 from .runners.batched import Call, aligned
 from .runners.pooled import PooledRunner
@@ -55,10 +63,11 @@ class PooledSteps:
         """Run the pooled step of the scheduler's pending forwards (module doc). Returns the others, to run after
         it, and the plain steps that wait for the next step: where a running sequence's forward is not among them
         (it joined since the scheduler stopped waiting for all), they run with it then, never on another path."""
-        mine = [p for p in todo if not p.head and _plain(p.call)]
+        mine, rest = [], []
+        for p in todo:
+            (rest if p.head or not _plain(p.call) else mine).append(p)
         if not mine:
             return todo, []
-        rest = [p for p in todo if p.head or not _plain(p.call)]
         with self.lock:
             if not set(self.busy) <= {p.call.ctx.pool_slot for p in todo if not p.head}:
                 return rest, mine
@@ -83,7 +92,10 @@ class PooledSteps:
                 c.keys = c.ctx.keys()
         runner = self._runner()
         for p, r in zip(group, runner.forward(calls, k, any(c.logits for c in calls), busy=inside)):
-            p.result, r.keys = r, p.call.keys
+            if isinstance(p, Lane):
+                p.ran(r)
+            else:
+                p.result, r.keys = r, p.call.keys
         c = self.scheduler.counters
         c.forwards += 1
         c.pooled_forwards += 1
@@ -107,6 +119,43 @@ class PooledSteps:
                                           pooled=True)
                 self.runner = PooledRunner(model, self.pool, session, captured)
             return self.runner
+
+
+class Lane:
+    """A pooled context's plain greedy steps, stepped in the scheduler's thread (module doc). The sequence hands the
+    same Lane to the scheduler at every step (`step`), as it would hand a pending forward; the pooled step runs its
+    row and records the step on the context there (`ran`: Context.advance, as Context.forward's path does after
+    it), and the sequence gets the row's argmax id back."""
+
+    head = alone = False
+    done = None  # a stepped sequence needs no event
+
+    def __init__(self, ctx):
+        if ctx.vacant or ctx._unread is not None:
+            raise SnapspecError("a lane starts on a context that holds its sequence")
+        self.ctx = ctx
+        self.call = Call(ctx, (), np.zeros(1, np.int64), 0, 1, False)
+        self.result: int | None = None
+        self.error: BaseException | None = None
+        self.stepper = None
+
+    def step(self, token: int) -> int:
+        """Feed one token at the context's position; the argmax id of its row."""
+        ctx, call = self.ctx, self.call
+        if ctx.n_past >= ctx.max_len:
+            raise SnapspecError(f"context full: {ctx.n_past} + 1 tokens exceed the context of {ctx.max_len}")
+        call.ids = np.array((token,), dtype=np.int64)
+        call.keys, call.start = ctx.keys(), ctx.n_past
+        self.error = None
+        stepping.wait(self)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def ran(self, r) -> None:
+        """The step's Result for this row (the scheduler's thread): on the context, and its id for the sequence."""
+        self.result = int(r.best[-1])
+        self.ctx.advanced_one(self.call.keys, int(r.ids[0]), r.outs)
 
 
 def pooled_by_default(target, graphs: int | None = None, rollback: str | None = "auto") -> bool:

@@ -83,23 +83,23 @@ class PooledRunner:
         for ctx in kept:
             if ctx.recurrent.cur != k:
                 ctx.recurrent.flip()
-        ids, starts = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        ids, starts = [0] * n, [0] * n
+        for i, c in by_slot.items():
+            ids[i], starts[i] = int(c.ids[0]), c.start
         for i in range(n):
-            c = by_slot.get(i)
-            ids[i] = c.ids[0] if c is not None else 0
-            # an idle slot writes its KV row at its own position (within the buffer: its spare row at the end)
-            past = pool.contexts[i].n_past if i < len(pool.contexts) else 0
-            starts[i] = c.start if c is not None else min(past, (pool.kv_rows or past + 1) - 1)
+            if i not in by_slot:  # an idle slot writes its KV row at its own position (its spare row at the end)
+                past = pool.contexts[i].n_past if i < len(pool.contexts) else 0
+                starts[i] = min(past, (pool.kv_rows or past + 1) - 1)
         front, seqlens, _ = self._buffers(n)
         staged = self.stream.staging(2 * n)
-        staged[:n], staged[n:] = ids, starts
+        staged[:] = ids + starts
         self.stream.h2d(front.data_ptr(), staged)
         if self.attention:
             lengths = self.stream.staging(n, np.int32)
             lengths[:] = starts  # seqlens_k: the rows before the new one (no spare row)
             self.stream.h2d(seqlens.data_ptr(), lengths)
             if self.graphs is None:
-                self._total[...] = starts.max() + 1
+                self._total[...] = max(starts) + 1
         step = self._step(n, k, logits)
         if step.options is not None:
             self.session.run_with_iobinding(step.binding, step.options)
@@ -112,12 +112,10 @@ class PooledRunner:
         outs = step.outputs
         host = outs["logits"].numpy() if logits or not self.io.argmax_in_graph else None
         best = outs["next_tokens"].numpy() if self.io.argmax_in_graph else host.argmax(axis=-1)
-        results = []
-        for c in calls:
-            i = c.ctx.pool_slot
-            results.append(Result(c.ids.copy(), {self.packed: self._rollback_rows[i]} if self.packed else {},
-                                  best[i, -1:].copy(), host[i, -1:].copy() if c.logits else None, None))
-        return results
+        rows, packed = self._rollback_rows, self.packed
+        # c.ids is the call's own array; the ids and logits are copied out of the step's output buffers
+        return [Result(c.ids, {packed: rows[c.ctx.pool_slot]} if packed else {}, best[c.ctx.pool_slot, -1:].copy(),
+                       host[c.ctx.pool_slot, -1:].copy() if c.logits else None, None) for c in calls]
 
     def _buffers(self, n: int) -> tuple:
         if n not in self._inputs:
