@@ -26,7 +26,8 @@
 #                                                     GDIAG=1 first: scripts/gpu/graphs_diag.py (tiny models, every
 #                                                     architecture or GDIAG_ARCHS; DIAG_ONLY=1 stops after it)
 #   scripts/gpu/gpu_check_remote.sh hostcmp C2 OUT   the batched decode with CUDA graphs (1 and 16 sequences,
-#                                                     stepping one) of this tree against C2's old.tar.xz (an older
+#                                                     stepping one; POOLED=on: pooled steps, ALONE=batch: one at a
+#                                                     time on one pooled slot) of this tree against C2's old.tar.xz (an older
 #                                                     tree's src/ and benchmarks: `git archive`), alternating twice;
 #                                                     then `snapspec serve --parallel 16 --cuda-graph 1` with
 #                                                     --stepping one and threads (benchmarks/serve_parallel.py, 16
@@ -173,14 +174,15 @@ PY
           at=$G/src; [ $tree = old ] && at=$old  # each tree runs its own benchmark scripts
           (cd $at && PYTHONPATH=$G/ortgpu:$G/deps:$at/src timeout 150 python3 benchmarks/batch_step_profile.py \
             --ep cuda --target /tmp/gc/x-$shape --parallel 1,16 --new 64 --prompts $c2/prompts.jsonl --stepping one \
-            --graphs 1) 2>&1 | grep '^{' | sed "s/^/$tree /" | tee -a $out/hostcmp-step-$shape.txt
+            --graphs 1 --pooled ${POOLED:-off}) 2>&1 | grep '^{' | sed "s/^/$tree /" | tee -a $out/hostcmp-step-$shape.txt
           (cd $at && PYTHONPATH=$G/ortgpu:$G/deps:$at/src timeout 200 python3 benchmarks/batching.py --ep cuda \
             --target /tmp/gc/x-$shape --parallel 16 --limit 16 --new ${NEW:-256} --prompts $c2/prompts.jsonl \
-            --stepping one --graphs 1 --reps 2 --json $out/j/batch-$shape-$tree-$rep.json) 2>&1 | grep '^rep' |
+            --stepping one --graphs 1 --pooled ${POOLED:-off} --alone ${ALONE:-generator} --reps 2 \
+            --json $out/j/batch-$shape-$tree-$rep.json) 2>&1 | grep '^rep' |
             sed "s/^/$tree /" | tee -a $out/hostcmp-batch-$shape.txt
         done
       done
-      for rep in $(seq ${HOSTCMP_REPS:-2}); do  # SERVE_CMP=trees: this tree's server against the old one's
+      for rep in $(seq $([ -n "${SKIP_SERVE:-}" ] && echo 0 || echo ${HOSTCMP_REPS:-2})); do  # SERVE_CMP=trees: vs old
         for st in $([ "${SERVE_CMP:-}" = trees ] && echo new old || echo one threads); do
           at=$G/src; [ $st = old ] && at=$old
           PYTHONPATH=$G/ortgpu:$G/deps:$at/src timeout 240 python3 benchmarks/serve_parallel.py concurrent \
