@@ -183,16 +183,23 @@ async def _events(job: Job, future: asyncio.Future, request):
         yield sse(api.chunk(job, first=True))
         getter = None
         while True:
-            getter = getter or asyncio.ensure_future(job.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=0.25)
-            if not done:  # nothing to send: is anybody still listening?
-                if await request.is_disconnected():
-                    return
-                continue
-            item, getter = getter.result(), None
-            if item is _DONE:
+            if getter is None and not job.events.empty():  # events are waiting: no task, no wait
+                items = []
+            else:
+                getter = getter or asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({getter}, timeout=0.25)
+                if not done:  # nothing to send: is anybody still listening?
+                    if await request.is_disconnected():
+                        return
+                    continue
+                items, getter = [getter.result()], None
+            while not job.events.empty():  # every event queued now goes out in one write
+                items.append(job.events.get_nowait())
+            end = next((i for i, item in enumerate(items) if item is _DONE), None)
+            if items[:end]:
+                yield "".join(sse(api.chunk(job, item)) for item in items[:end])
+            if end is not None:
                 break
-            yield sse(api.chunk(job, item))
         try:
             await future
         except Exception as exc:

@@ -45,9 +45,44 @@ class Job:
         self.gen = None
         self.text = ""
         self.events: asyncio.Queue = asyncio.Queue()
+        self.outbox: Outbox | None = None  # a stepped job's: its events go to the event loop once a step
 
     def emit(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        if self.outbox is not None:
+            self.outbox.add(self.loop, self.events.put_nowait, item)
+        else:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class Outbox:
+    """What the jobs stepped in the scheduler's thread hand to the event loop (their tokens, their outcome), handed
+    over once a step (stepping.Steps.add_flush): one wake of the loop, one write to its self-pipe, for every
+    running job's tokens of a step, instead of one each. Only the scheduler's thread touches it."""
+
+    def __init__(self):
+        self._calls: list[tuple] = []
+
+    def add(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+        self._calls.append((loop, fn, args))
+
+    def flush(self) -> None:
+        if not self._calls:
+            return
+        calls, self._calls = self._calls, []
+        by_loop: dict = {}
+        for loop, fn, args in calls:
+            by_loop.setdefault(loop, []).append((fn, args))
+        for loop, todo in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, todo)
+            except RuntimeError:  # the event loop has closed: nobody waits for them
+                pass
+
+
+def _run_all(calls: list) -> None:
+    """On the event loop: an Outbox's calls, in order."""
+    for fn, args in calls:
+        fn(*args)
 
 
 class Worker(lifecycle.Admission):
@@ -107,8 +142,11 @@ class Worker(lifecycle.Admission):
         stepping = steps.choose(stepping, [slot.drafter for slot in self.slots])  # Batch's rule for "auto"
         self.stepping = stepping if self.scheduler is not None else "threads"
         self._stepped: deque = deque()  # (job, future) admitted for the scheduler's thread, not started yet
+        self.outbox = None
         if self.stepping == "one":
             self.scheduler.steps.add_source(self._next_stepped)
+            self.outbox = Outbox()
+            self.scheduler.steps.add_flush(self.outbox.flush)
         drafter = self.cache.drafter  # each slot has its own draft source of this kind
         self.target, self.drafter, self.model_id, self.defaults = target, drafter, model_id, defaults
         self.max_tokens_cap, self.max_queue = max_tokens_cap, max_queue
@@ -260,14 +298,12 @@ class Worker(lifecycle.Admission):
     def _run_stepped(self, job: Job, future: asyncio.Future) -> None:
         """A job as a greenlet of the scheduler's thread: _run, then its outcome handed to the event loop."""
         error = None
+        job.outbox = self.outbox
         try:
             self._run(job)
         except BaseException as exc:  # the client hears of it; the scheduler's thread goes on
             error = exc
-        try:
-            job.loop.call_soon_threadsafe(_settle, future, error)
-        except RuntimeError:  # the event loop has closed: nobody waits for it
-            pass
+        self.outbox.add(job.loop, _settle, future, error)  # after its events
 
     def _take_slot(self, ids):
         """The free slot whose target context holds the longest prefix of ids (a conversation's next turn goes back

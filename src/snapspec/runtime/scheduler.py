@@ -251,6 +251,7 @@ class Scheduler:
         resumed: list[_Pending] = []  # the next forwards of the stepped sequences just resumed
         while True:
             fresh = self.steps.start()  # stepped sequences that can start run up to their first forward
+            self.steps.flush()  # what the stepped sequences queued for others since the last step (stepping.py)
             with self._cv:
                 self._pending += resumed + fresh
                 self._poked = False

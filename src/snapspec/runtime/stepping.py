@@ -74,7 +74,21 @@ class Steps:
 
     def __init__(self):
         self._sources: list[Callable[[], Callable[[], None] | None]] = []
+        self._flushes: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+
+    def add_flush(self, flush: Callable[[], None]) -> None:
+        """flush() runs in the scheduler's thread once per step, after the sequences it stepped ran and the new ones
+        started, before the loop waits: what they queued for others goes out then, once a step (serve's Outbox)."""
+        with self._lock:
+            self._flushes.append(flush)
+
+    def flush(self) -> None:
+        for flush in self._flushes:
+            try:
+                flush()
+            except Exception as exc:  # a flush reports its own errors; the scheduler goes on
+                log.error("a step's flush failed: %s", exc)
 
     def add_source(self, source: Callable[[], Callable[[], None] | None]) -> None:
         """source() returns the job of a sequence that can start now (a callable that runs it to its end), or None.
