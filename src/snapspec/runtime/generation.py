@@ -163,10 +163,9 @@ class Generator:
             yield out
         # plain greedy steps on a pooled slot go to the scheduler as a Lane (pooled_steps.py): the same row and bits
         lane = self.tctx.lane() if self.drafter is None and not self._logits else None
-        if lane is not None:
-            yield from self._lane_steps(lane)
-            return
         try:
+            if lane is not None:
+                yield from self._lane_steps(lane)
             while self.stop_reason is None:
                 self._calibrate()
                 with st.span("decode"):

@@ -142,6 +142,8 @@ class Lane:
     def step(self, token: int) -> int:
         """Feed one token at the context's position; the argmax id of its row."""
         ctx, call = self.ctx, self.call
+        if ctx.batch._closed:
+            raise SnapspecError("the scheduler is closed")
         if ctx.n_past >= ctx.max_len:
             raise SnapspecError(f"context full: {ctx.n_past} + 1 tokens exceed the context of {ctx.max_len}")
         call.ids = np.array((token,), dtype=np.int64)
