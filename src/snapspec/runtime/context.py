@@ -210,11 +210,6 @@ class Context:
             self.rollback(self.n_past - (len(r.ids) - t))
         return Rows(r.best, r.logits, hidden=r.hidden if self.hidden else None)
 
-    def lane(self):
-        """This context's plain greedy steps as a Lane of its scheduler's pooled steps (pooled_steps.Lane), where
-        the scheduler takes them from the caller; else None (forward is the way)."""
-        return self.batch.lane(self) if self.batch is not None else None
-
     def _hidden_rows(self, outs: dict) -> np.ndarray | None:
         """The forward's hidden rows on the host ([T, H]), when asked for (`hidden`) and the graph has them."""
         if not self.hidden or "hidden" not in outs:

@@ -162,7 +162,8 @@ class Generator:
         if out:
             yield out
         # plain greedy steps on a pooled slot go to the scheduler as a Lane (pooled_steps.py): the same row and bits
-        lane = self.tctx.lane() if self.drafter is None and not self._logits else None
+        batch = self.tctx.batch if self.drafter is None and not self._logits else None
+        lane = batch.lane(self.tctx) if batch is not None else None
         try:
             if lane is not None:
                 yield from self._lane_steps(lane)
