@@ -187,7 +187,8 @@ PY
           at=$G/src; [ $st = old ] && at=$old
           PYTHONPATH=$G/ortgpu:$G/deps:$at/src timeout 240 python3 benchmarks/serve_parallel.py concurrent \
             --target /tmp/gc/x-$shape --parallel 16 --clients ${SERVE_CLIENTS:-16} --requests ${SERVE_REQUESTS:-2} \
-            --max-tokens ${SERVE_TOKENS:-128} --no-bracket --prompts $c2/prompts.jsonl --server-args="--ep cuda \
+            --max-tokens ${SERVE_TOKENS:-128} --no-bracket --client-processes ${SERVE_CLIENT_PROCS:-1} \
+            --prompts $c2/prompts.jsonl --server-args="--ep cuda \
             --cuda-graph 1 --rollback replay --stepping $([ $st = threads ] && echo threads || echo one) \
             --cache-ram 0" --out $out/j/serve-$shape-$st-$rep.json 2>&1 | tail -3 | sed "s/^/$st /" |
             tee -a $out/serve-$shape.txt
