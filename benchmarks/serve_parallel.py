@@ -23,7 +23,8 @@ Scenarios:
   sequential again unless --no-bracket: the two sequential figures show how much the machine drifted). Aggregate
   tokens/s = completion tokens / wall time of the phase; time to first token and latency p50/p95 per request. Each
   request's concurrent text (and second sequential text) is compared with its first sequential text: the run fails
-  (exit 1) if any differ. A warm-up
+  (exit 1) if any differ. --client-processes P spreads the concurrent clients over P processes: one process parses
+  every stream under one GIL and caps at ~5,000 tokens/s on a core (docs/serve.md), below a GPU server's. A warm-up
   sends each distinct prompt once (max_tokens 1) first, so that every phase meets the same prefix cache.
 - agent: --agents A conversations at once (default 1), each of --turns chat requests over the same deterministic
   ~--system-tokens tool manual; after each reply a conversation gets the assistant's message (with a read_file tool
