@@ -11,7 +11,6 @@ incrementally (each token once), not by decoding the whole sequence every round.
 
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
 import numpy as np
@@ -76,6 +75,7 @@ class Generator:
         self.stop_reason: str | None = None
         self._started = False
         self._calibrated = False  # the cost model was measured (or there was no room to)
+        self._lane = None  # a pooled slot's plain greedy steps, where its scheduler takes them (__iter__)
         self._text = _TextStream(target.tokenizer)
         if pair is None:
             # Sized to need: every token of the generation, plus the deepest verify past the last one (adaptive k's
@@ -163,10 +163,8 @@ class Generator:
             yield out
         # plain greedy steps on a pooled slot go to the scheduler as a Lane (pooled_steps.py): the same row and bits
         batch = self.tctx.batch if self.drafter is None and not self._logits else None
-        lane = batch.lane(self.tctx) if batch is not None else None
+        self._lane = batch.lane(self.tctx) if batch is not None else None
         try:
-            if lane is not None:
-                yield from self._lane_steps(lane)
             while self.stop_reason is None:
                 self._calibrate()
                 with st.span("decode"):
@@ -216,19 +214,10 @@ class Generator:
         with self.stats.timed("calibration"):
             self.costs = self.chooser.costs = self.pair.costs(self.policy.k_max + 1)
 
-    def _lane_steps(self, lane) -> Iterator[list[int]]:
-        """The plain steps' loop as __iter__ runs it, each step a Lane's (one token in, its argmax id out)."""
-        st, seq, seconds = self.stats, self.seq, self.stats.seconds
-        while self.stop_reason is None:
-            t = time.perf_counter()
-            new = [lane.step(seq[-1])]
-            st.target_forwards += 1
-            out = self._emit(new)
-            seconds["decode"] += time.perf_counter() - t
-            if out:
-                yield out
-
     def _plain_step(self) -> list[int]:
+        if self._lane is not None:  # one token in, its argmax id out (pooled_steps.Lane)
+            self.stats.target_forwards += 1
+            return [self._lane.step(self.seq[-1])]
         rows = self.tctx.forward(self.seq[self.tctx.n_past:], keep=1, logits=self._logits)
         self.stats.target_forwards += 1
         if self.drafter is not None:

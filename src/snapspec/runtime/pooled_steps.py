@@ -105,6 +105,11 @@ class PooledSteps:
         c.padded_rows += n - len(calls)
         c.sequences += len(group)
 
+    def lane(self, ctx) -> Lane | None:
+        """ctx's plain steps as a Lane where they always run pooled (`_plain`, the one rule for both); else None."""
+        lane = Lane(ctx)
+        return lane if _plain(lane.call) else None
+
     def warm(self) -> None:
         """Make the pooled session now (a server before its first request); its CUDA graphs capture at first use."""
         self._runner()

@@ -47,7 +47,7 @@ from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result, aligned
 from .runners.batched_captured import CapturedBatch
 from .runners.batched_head import BatchedHead, HeadCall, head_batchable
-from .pooled_steps import Lane, PooledSteps, settle
+from .pooled_steps import PooledSteps, settle
 
 log = logging.getLogger("snapspec")
 
@@ -207,10 +207,8 @@ class Scheduler:
 
     def lane(self, ctx):
         """ctx's plain greedy steps as a pooled_steps.Lane, where this scheduler's thread steps the caller and its
-        pool holds ctx's state (a context that returns hidden rows takes the batched graph instead); else None."""
-        if self.pooled is None or ctx.pool_slot is None or ctx.hidden or not stepping.stepped(self.steps):
-            return None
-        return Lane(ctx)
+        pooled path takes them (PooledSteps.lane); else None."""
+        return self.pooled.lane(ctx) if self.pooled is not None and stepping.stepped(self.steps) else None
 
     def forward_head(self, head, ids: np.ndarray, hidden: np.ndarray, logits: bool):
         """Run an attached head's forward of ids [t] and hidden [t, H] from its n_past with the others pending
