@@ -253,6 +253,29 @@ def test_one_thread_steps_every_sequence(loaded):
             s.result()
 
 
+def test_a_sequence_submitted_during_a_flush_starts(loaded):
+    """A poke that lands while the scheduler's thread asks its sources or flushes (serve's event loop hears that a
+    job ended and the client sends its next request at once) starts that sequence: it is not lost to the loop
+    clearing the poke afterwards and waiting with nothing to run (a streamed reply hung for 60 s in CI)."""
+    t = loaded("qwen3_5")
+    s = Scheduler(t)
+    ran, queued, posted = threading.Event(), [], []
+
+    def flush():  # what the event loop does on hearing of an ended job: submit the next request, poke the loop
+        if not posted:
+            posted.append(1)
+            queued.append(ran.set)
+            s.poke()
+
+    try:
+        s.steps.add_source(lambda: queued.pop() if queued else None)
+        s.steps.add_flush(flush)
+        s.poke()  # one pass of the loop: the flush submits during it
+        assert ran.wait(10), "the sequence submitted during a flush never started"
+    finally:
+        s.close()
+
+
 def test_run_reads_one_queue_and_starts_no_thread(loaded, monkeypatch):
     """Batch.run gathers every sequence's events from one queue: with stepping="one" no thread starts (it used to
     start one per sequence to pump its events, each woken per token), each prompt's events carry its index and end

@@ -248,11 +248,12 @@ class Scheduler:
     def _loop(self) -> None:
         resumed: list[_Pending] = []  # the next forwards of the stepped sequences just resumed
         while True:
+            with self._cv:  # cleared before the sources are asked: a poke after that is a new sequence (not lost)
+                self._poked = False
             fresh = self.steps.start()  # stepped sequences that can start run up to their first forward
             self.steps.flush()  # what the stepped sequences queued for others since the last step (stepping.py)
             with self._cv:
                 self._pending += resumed + fresh
-                self._poked = False
                 first, todo = None, None
                 while True:
                     if self._closed and not self._pending:
