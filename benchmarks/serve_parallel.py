@@ -187,6 +187,24 @@ def rss_mib(pid: int | None) -> float | None:
     return total / 1024
 
 
+def thread_cpu(pid: int | None) -> tuple[float, float] | None:
+    """CPU seconds (user + system) of a server process so far: its main thread, where uvicorn's event loop runs
+    (every stream's chunks, JSON and writes), and all its other threads together (the scheduler, onnxruntime's pools,
+    the executor; threads that ended included). None where /proc cannot tell (another OS, a gone process)."""
+    if not pid:
+        return None
+
+    def cpu(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: proc(5) 14, 15
+
+    try:
+        main, whole = cpu(Path(f"/proc/{pid}/task/{pid}/stat")), cpu(Path(f"/proc/{pid}/stat"))
+    except (OSError, IndexError, ValueError):
+        return None
+    return main, whole - main
+
+
 class Server:
     """A server process on 127.0.0.1 (or, with attach, one already running)."""
 
@@ -421,9 +439,23 @@ def concurrent(a, client, model: str, server: Server) -> dict:
                                           lambda c: [one(j) for j in jobs if j[0] == c])
         return [r for rs in per_client for r in rs], wall  # job order: client-major, as jobs
 
-    phases = {"sequential": sequential(), "concurrent": together()}
+    cpu: dict[str, dict] = {}
+
+    def measured(name: str, phase):
+        before = thread_cpu(server.pid)
+        results, wall = phase()
+        after = thread_cpu(server.pid)
+        if before and after:
+            tokens = sum(r.completion_tokens for r in results if r.ok)
+            loop, others = after[0] - before[0], after[1] - before[1]
+            cpu[name] = {"event_loop_s": loop, "other_threads_s": others,
+                         "event_loop_us_per_token": 1e6 * loop / tokens if tokens else None,
+                         "other_threads_us_per_token": 1e6 * others / tokens if tokens else None}
+        return results, wall
+
+    phases = {"sequential": measured("sequential", sequential), "concurrent": measured("concurrent", together)}
     if a.bracket:
-        phases["sequential_after"] = sequential()
+        phases["sequential_after"] = measured("sequential_after", sequential)
     seq = phases["sequential"][0]
     mismatches = [{"phase": name, "client": c, "request": i, "prompt": p["id"], "sequential": s.text, name: r.text,
                    "first_difference": next((k for k, (x, y) in enumerate(zip(s.text, r.text)) if x != y),
@@ -436,6 +468,7 @@ def concurrent(a, client, model: str, server: Server) -> dict:
     if a.bracket and out["sequential_after"]["tokens_per_s"]:
         out["ratio_to_sequential_after"] = out["concurrent"]["tokens_per_s"] / out["sequential_after"]["tokens_per_s"]
     out["text_mismatches"] = mismatches
+    out["server_cpu"] = cpu  # where the server's CPU time went, per phase (thread_cpu)
     out["requests"] = [{"client": c, "request": i, "prompt": p["id"], "phase": name, **asdict(r)}
                        for name, (rs, _) in phases.items() for (c, i, p), r in zip(jobs, rs)]
     out["passed"] = not mismatches and not any(s["failed"] for s in out.values() if isinstance(s, dict)
@@ -700,6 +733,10 @@ def print_summary(scenario: str, out: dict) -> None:
         print(f"concurrent / sequential tokens/s: {fmt(r['ratio'], '.2f')}"
               + (f" (/ sequential after: {fmt(r.get('ratio_to_sequential_after'), '.2f')})" if "sequential_after" in r
                  else "") + f"; text mismatches: {len(r['text_mismatches'])}")
+        for name, c in r.get("server_cpu", {}).items():
+            print(f"server CPU, {name}: event loop {c['event_loop_s']:.2f} s "
+                  f"({fmt(c['event_loop_us_per_token'], '.0f')} us a token), other threads {c['other_threads_s']:.2f} s "
+                  f"({fmt(c['other_threads_us_per_token'], '.0f')} us a token)")
     elif scenario == "agent":
         n = len(r["agents"])
         print(f"system prompt: {r['system_prompt_tokens']} tokens (asked {r['system_tokens_asked']}); {n} agent(s): "

@@ -128,7 +128,7 @@ def build_app(worker: Worker, *, api_key: str | None = None, max_body: int = 4 <
         job.constraint, job.tool_format = constraint, worker.tool_format
         future = worker.submit(job)
         if settings.stream:
-            return StreamingResponse(_events(job, future, request), media_type="text/event-stream",
+            return StreamingResponse(_events(job, future), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         while not future.done():
             await asyncio.wait({future}, timeout=0.25)
@@ -174,30 +174,23 @@ def build_app(worker: Worker, *, api_key: str | None = None, max_body: int = 4 <
     return Access(app, api_key=api_key, max_body=max_body, draining=lambda: worker.closing, metrics=metrics)
 
 
-async def _events(job: Job, future: asyncio.Future, request):
-    """Server-sent events of one streamed job. Leaving this generator early (the client went away) cancels the job."""
+async def _events(job: Job, future: asyncio.Future):
+    """Server-sent events of one streamed job. Leaving this generator early (the client went away: starlette's
+    StreamingResponse listens for the disconnect and cancels the stream, ASGI spec < 2.4 as uvicorn speaks it)
+    cancels the job. Every event queued when the stream wakes goes out in one write."""
     def sse(data) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
     try:
         yield sse(api.chunk(job, first=True))
-        getter = None
+        text = api.TextEvents(job)
         while True:
-            if getter is None and not job.events.empty():  # events are waiting: no task, no wait
-                items = []
-            else:
-                getter = getter or asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait({getter}, timeout=0.25)
-                if not done:  # nothing to send: is anybody still listening?
-                    if await request.is_disconnected():
-                        return
-                    continue
-                items, getter = [getter.result()], None
-            while not job.events.empty():  # every event queued now goes out in one write
+            items = [await job.events.get()]
+            while not job.events.empty():
                 items.append(job.events.get_nowait())
             end = next((i for i, item in enumerate(items) if item is _DONE), None)
             if items[:end]:
-                yield "".join(sse(api.chunk(job, item)) for item in items[:end])
+                yield "".join(map(text, items[:end]))
             if end is not None:
                 break
         try:
@@ -212,8 +205,6 @@ async def _events(job: Job, future: asyncio.Future, request):
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled = True  # no effect once the job has finished
-        if getter is not None:
-            getter.cancel()
 
 
 def _as_api_error(exc: Exception) -> api.ApiError:
