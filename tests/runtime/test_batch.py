@@ -276,6 +276,40 @@ def test_a_sequence_submitted_during_a_flush_starts(loaded):
         s.close()
 
 
+def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch):
+    """stepping="one": three prompts that start together prefill one after another in one step, and each sequence
+    goes on (its first token out) as soon as its own prefill ran, not after the others' (a burst's first reply
+    waited for every prompt of the burst before); the tokens equal each prompt's alone."""
+    import queue
+
+    t = loaded("qwen3_5")
+    ps = prompts(t.vocab_size, 3, seed=13)
+    kw = dict(max_new_tokens=4, stop_at_eos=False)
+    log: list[tuple] = []
+    real = Scheduler._run
+    monkeypatch.setattr(Scheduler, "_run", lambda self, group: log.append(("run", len(group[0].call.ids)))
+                        or real(self, group))
+
+    class Logged(queue.SimpleQueue):
+        def put(self, item, block=True, timeout=None):
+            if getattr(item, "tokens", None):
+                log.append(("token", item.index))
+            super().put(item, block, timeout)
+
+    with Batch(t, parallel=3, context=CONTEXT, scheduler=Scheduler(t, patience=30.0), stepping="one") as b:
+        held = [b._free.get() for _ in range(3)]  # no slot until all three wait: they start in one step
+        seqs = [b.submit(p, events=Logged(), **kw) for p in ps]
+        for slot in held:
+            b._free.put(slot)
+        b.scheduler.poke()
+        got = [[tok for e in s for tok in e.tokens] for s in seqs]
+    prefills = [i for i, (what, rows) in enumerate(log) if what == "run" and rows > 1]
+    first = next(i for i, (what, _) in enumerate(log) if what == "token")
+    assert len(prefills) == 3 and first < prefills[1], log  # out before the second prompt's prefill ran
+    for i, p in enumerate(ps):
+        assert got[i] == alone(t, p, **kw), f"prompt {i} differs from its run alone"
+
+
 def test_run_reads_one_queue_and_starts_no_thread(loaded, monkeypatch):
     """Batch.run gathers every sequence's events from one queue: with stepping="one" no thread starts (it used to
     start one per sequence to pump its events, each woken per token), each prompt's events carry its index and end

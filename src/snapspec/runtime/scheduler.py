@@ -284,6 +284,9 @@ class Scheduler:
                 todo = [p for p in todo if not any(p is q for q in later)]
                 with self._cv:
                     self._pending = later + self._pending
+            # each stepped sequence goes on as soon as its own forward ran, and what it queued goes out then: the
+            # pooled step's tokens, or a burst's first prompt's first token, need not wait for the other groups
+            resumed = self._resume([p for p in todo if not any(p is q for q in rest)])
             try:
                 groups = self._groups(rest)
             except BaseException as exc:  # never leave a sequence waiting
@@ -291,7 +294,16 @@ class Scheduler:
                 log.error("grouping forwards failed (%s): running them one by one", exc)
             for group in groups:
                 self._run(group)
-            resumed = [q for p in todo if p.stepper is not None for q in self.steps.resume(p)]
+                resumed += self._resume(group)
+
+    def _resume(self, ran: list[_Pending]) -> list[_Pending]:
+        """Resume the stepped sequences whose forwards ran (up to their next forward, for the next step) and hand
+        over what they queued for others (stepping.Steps.flush). Their next forwards."""
+        stepped = [p for p in ran if p.stepper is not None]
+        nxt = [q for p in stepped for q in self.steps.resume(p)]
+        if stepped:
+            self.steps.flush()
+        return nxt
 
     def _groups(self, todo: list[_Pending]) -> list[list[_Pending]]:
         """Alone: long calls. Together: short calls whose contexts can roll padding back and have buffers of one
