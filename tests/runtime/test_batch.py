@@ -276,24 +276,26 @@ def test_a_sequence_submitted_during_a_flush_starts(loaded):
         s.close()
 
 
-def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch):
-    """stepping="one": three prompts that start together prefill one after another in one step, and each sequence
-    goes on (its first token out) as soon as its own prefill ran, not after the others' (a burst's first reply
-    waited for every prompt of the burst before); the tokens equal each prompt's alone."""
+@pytest.mark.parametrize("chunk", [None, 10])
+def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch, chunk):
+    """stepping="one": three prompts that start together (nobody decoding) prefill one after another, each one's
+    chunks in a row, and each sequence goes on (its first token out) as soon as its own prefill ran, not after the
+    others' (a burst's first reply waited for every prompt of the burst before); the tokens equal each prompt's
+    alone."""
     import queue
 
     t = loaded("qwen3_5")
-    ps = prompts(t.vocab_size, 3, seed=13)
-    kw = dict(max_new_tokens=4, stop_at_eos=False)
-    log: list[tuple] = []
+    rng = np.random.default_rng(13)
+    ps = [rng.integers(3, t.vocab_size, size=40).tolist() for _ in range(3)]  # chunks of 10 > a short call's rows
+    kw = dict(max_new_tokens=4, stop_at_eos=False, prefill_chunk=chunk)
+    log: list[str] = []
     real = Scheduler._run
-    monkeypatch.setattr(Scheduler, "_run", lambda self, group: log.append(("run", len(group[0].call.ids)))
-                        or real(self, group))
+    monkeypatch.setattr(Scheduler, "_run", lambda self, group: log.append("run") or real(self, group))
 
     class Logged(queue.SimpleQueue):
         def put(self, item, block=True, timeout=None):
             if getattr(item, "tokens", None):
-                log.append(("token", item.index))
+                log.append("token")
             super().put(item, block, timeout)
 
     with Batch(t, parallel=3, context=CONTEXT, scheduler=Scheduler(t, patience=30.0), stepping="one") as b:
@@ -303,11 +305,40 @@ def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch):
             b._free.put(slot)
         b.scheduler.poke()
         got = [[tok for e in s for tok in e.tokens] for s in seqs]
-    prefills = [i for i, (what, rows) in enumerate(log) if what == "run" and rows > 1]
-    first = next(i for i, (what, _) in enumerate(log) if what == "token")
-    assert len(prefills) == 3 and first < prefills[1], log  # out before the second prompt's prefill ran
+    assert log.index("token") == 40 // (chunk or 40), log  # one prompt's chunks, then its first token
     for i, p in enumerate(ps):
         assert got[i] == alone(t, p, **kw), f"prompt {i} differs from its run alone"
+
+
+def test_a_prompt_joining_decoders_runs_a_chunk_a_step(loaded, monkeypatch):
+    """While a sequence decodes, a new prompt's prefill chunks run one a step, between its decode steps (the rule
+    above, nobody decoding, does not starve a running sequence); the tokens equal each prompt's alone."""
+    import queue
+
+    t = loaded("qwen3_5")
+    rng = np.random.default_rng(14)
+    first, second = rng.integers(3, t.vocab_size, size=6).tolist(), rng.integers(3, t.vocab_size, size=40).tolist()
+    log: list[str] = []
+    real = Scheduler._run
+    monkeypatch.setattr(Scheduler, "_run", lambda self, group: log.append(
+        "chunk" if group[0].alone else "step") or real(self, group))
+
+    class Logged(queue.SimpleQueue):
+        def put(self, item, block=True, timeout=None):
+            if getattr(item, "tokens", None):
+                log.append(f"token {item.index}")
+            super().put(item, block, timeout)
+
+    kw = dict(stop_at_eos=False, prefill_chunk=10)
+    with Batch(t, parallel=2, context=CONTEXT, scheduler=Scheduler(t, patience=30.0), stepping="one") as b:
+        one = b.submit(first, events=Logged(), max_new_tokens=60, **kw)
+        events = iter(one)
+        head = next(events).tokens  # it decodes now
+        two = b.submit(second, events=Logged(), max_new_tokens=4, **kw)
+        got = [head + [tok for e in events for tok in e.tokens], [tok for e in two for tok in e.tokens]]
+    chunks = [i for i, what in enumerate(log) if what == "chunk"][-4:]  # the second prompt's
+    assert len(chunks) == 4 and all("token 0" in log[a:b] for a, b in zip(chunks, chunks[1:])), log
+    assert got == [alone(t, first, max_new_tokens=60, **kw), alone(t, second, max_new_tokens=4, **kw)]
 
 
 def test_run_reads_one_queue_and_starts_no_thread(loaded, monkeypatch):

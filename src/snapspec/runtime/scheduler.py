@@ -292,9 +292,16 @@ class Scheduler:
             except BaseException as exc:  # never leave a sequence waiting
                 groups = [[p] for p in rest]
                 log.error("grouping forwards failed (%s): running them one by one", exc)
+            # nobody decodes (a burst of new prompts from idle): each prompt's chunks run one after another, so the
+            # first of the burst streams after its own prefill; else one chunk a sequence a step, between the steps
+            decoding = any(not p.alone for p in todo)
             for group in groups:
                 self._run(group)
-                resumed += self._resume(group)
+                nxt = self._resume(group)
+                while not decoding and len(nxt) == 1 and nxt[0].alone:
+                    self._run(nxt)
+                    nxt = self._resume(nxt)
+                resumed += nxt
 
     def _resume(self, ran: list[_Pending]) -> list[_Pending]:
         """Resume the stepped sequences whose forwards ran (up to their next forward, for the next step) and hand
