@@ -286,7 +286,8 @@ def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch, chunk):
 
     t = loaded("qwen3_5")
     rng = np.random.default_rng(13)
-    ps = [rng.integers(3, t.vocab_size, size=40).tolist() for _ in range(3)]  # chunks of 10 > a short call's rows
+    # 43 tokens: four chunks of 10 (more than a short call's rows) and a last of 3, a short call it runs at once too
+    ps = [rng.integers(3, t.vocab_size, size=43).tolist() for _ in range(3)]
     kw = dict(max_new_tokens=4, stop_at_eos=False, prefill_chunk=chunk)
     log: list[str] = []
     real = Scheduler._run
@@ -305,7 +306,7 @@ def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch, chunk):
             b._free.put(slot)
         b.scheduler.poke()
         got = [[tok for e in s for tok in e.tokens] for s in seqs]
-    assert log.index("token") == 40 // (chunk or 40), log  # one prompt's chunks, then its first token
+    assert log.index("token") == -(-43 // (chunk or 43)), log  # one prompt's chunks, then its first token
     for i, p in enumerate(ps):
         assert got[i] == alone(t, p, **kw), f"prompt {i} differs from its run alone"
 

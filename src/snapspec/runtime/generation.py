@@ -18,6 +18,7 @@ from tokenizers.decoders import DecodeStream
 
 from snapspec import SnapspecError
 
+from . import stepping
 from .adaptive import Costs, DraftLengthChooser
 from .context import PREFILL_CHUNK, Context, Rows
 from .drafters import Drafter
@@ -152,7 +153,7 @@ class Generator:
         if self.constraint is not None:  # it ends where the grammar does, on the stops it allows there
             self.eos |= set(self.target.eos_ids)
             self.constraint.begin(self.prompt, self.eos)
-        with st.span("prefill"):
+        with st.span("prefill"), stepping.prompt():  # a scheduler runs a burst's prompts one after another
             rows = self._prefill()
             if self.drafter is not None:
                 self.drafter.start(self.prompt, sampling=self.sampling, rng=self.rng, stats=st, prefill=rows,

@@ -65,7 +65,7 @@ class PooledSteps:
         (it joined since the scheduler stopped waiting for all), they run with it then, never on another path."""
         mine, rest = [], []
         for p in todo:
-            (rest if p.head or not _plain(p.call) else mine).append(p)
+            (rest if p.head or not plain(p.call) else mine).append(p)
         if not mine:
             return todo, []
         with self.lock:
@@ -106,9 +106,9 @@ class PooledSteps:
         c.sequences += len(group)
 
     def lane(self, ctx) -> Lane | None:
-        """ctx's plain steps as a Lane where they always run pooled (`_plain`, the one rule for both); else None."""
+        """ctx's plain steps as a Lane where they always run pooled (`plain`, the one rule for both); else None."""
         lane = Lane(ctx)
-        return lane if _plain(lane.call) else None
+        return lane if plain(lane.call) else None
 
     def warm(self) -> None:
         """Make the pooled session now (a server before its first request); its CUDA graphs capture at first use."""
@@ -182,7 +182,7 @@ def settle(group: list, error: BaseException | None = None, what: str = "batched
             p.done.set()
 
 
-def _plain(call: Call) -> bool:
+def plain(call: Call) -> bool:
     """A one-token step of a pooled context that keeps one row and wants no hidden rows: always pooled."""
     return len(call.ids) == 1 and call.keep == 1 and call.ctx.pool_slot is not None and not call.ctx.hidden
 

@@ -47,7 +47,7 @@ from .policy import window_of
 from .runners.batched import BatchedRunner, Call, Result, aligned
 from .runners.batched_captured import CapturedBatch
 from .runners.batched_head import BatchedHead, HeadCall, head_batchable
-from .pooled_steps import PooledSteps, settle
+from .pooled_steps import PooledSteps, plain, settle
 
 log = logging.getLogger("snapspec")
 
@@ -292,16 +292,21 @@ class Scheduler:
             except BaseException as exc:  # never leave a sequence waiting
                 groups = [[p] for p in rest]
                 log.error("grouping forwards failed (%s): running them one by one", exc)
-            # nobody decodes (a burst of new prompts from idle): each prompt's chunks run one after another, so the
-            # first of the burst streams after its own prefill; else one chunk a sequence a step, between the steps
-            decoding = any(not p.alone for p in todo)
+            # nobody decodes (a burst of new prompts from idle): each prompt's forwards run one after another, so the
+            # first of the burst streams after its own prefill; else one forward a sequence a step, between the steps
+            decoding = any(not p.alone and not stepping.prompting(p) for p in todo)
             for group in groups:
                 self._run(group)
                 nxt = self._resume(group)
-                while not decoding and len(nxt) == 1 and nxt[0].alone:
+                while not decoding and len(nxt) == 1 and self._prompt_goes_on(nxt[0]):
                     self._run(nxt)
                     nxt = self._resume(nxt)
                 resumed += nxt
+
+    def _prompt_goes_on(self, p: _Pending) -> bool:
+        """Whether p, a prompt's next forward, runs at once (`_loop`): not one the pooled path takes, whose rows must
+        meet the pool's (a lone prompt's last token too: it gets the pooled bits, alone or not)."""
+        return stepping.prompting(p) and (self.pooled is None or p.head or not plain(p.call))
 
     def _resume(self, ran: list[_Pending]) -> list[_Pending]:
         """Resume the stepped sequences whose forwards ran (up to their next forward, for the next step) and hand

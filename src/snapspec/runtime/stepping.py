@@ -21,6 +21,7 @@ scheduler's `forward` calls `Steps.wait(p)` when it runs in one of these greenle
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Callable
@@ -57,6 +58,27 @@ class _Sequence(greenlet.greenlet):
     """A sequence's greenlet (its job runs inside): a forward it hands over switches to the scheduler's loop."""
 
     steps: Steps
+    prompting = False  # its forwards now are its prompt's (`prompt`)
+
+
+@contextlib.contextmanager
+def prompt():
+    """The caller's forwards meanwhile are its prompt's, up to its first token (where a scheduler's thread steps
+    it): with nobody decoding, the scheduler runs them one after another instead of one a step (scheduler.py)."""
+    g = greenlet.getcurrent()
+    if not isinstance(g, _Sequence):
+        yield
+        return
+    g.prompting = True
+    try:
+        yield
+    finally:
+        g.prompting = False
+
+
+def prompting(pending) -> bool:
+    """Whether a handed-over forward is a stepped sequence's prompt's (`prompt`)."""
+    return pending.stepper is not None and pending.stepper.prompting
 
 
 def stepped(steps: Steps) -> bool:
