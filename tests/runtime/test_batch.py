@@ -313,16 +313,17 @@ def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch, chunk):
 
 def test_a_prompt_joining_decoders_runs_a_chunk_a_step(loaded, monkeypatch):
     """While a sequence decodes, a new prompt's prefill chunks run one a step, between its decode steps (the rule
-    above, nobody decoding, does not starve a running sequence); the tokens equal each prompt's alone."""
+    above, nobody decoding, does not starve a running sequence); the prompt's short last piece runs right after its
+    last chunk, so its first token does not wait a step; the tokens equal each prompt's alone."""
     import queue
 
     t = loaded("qwen3_5")
     rng = np.random.default_rng(14)
-    first, second = rng.integers(3, t.vocab_size, size=6).tolist(), rng.integers(3, t.vocab_size, size=40).tolist()
+    first, second = rng.integers(3, t.vocab_size, size=6).tolist(), rng.integers(3, t.vocab_size, size=43).tolist()
     log: list[str] = []
     real = Scheduler._run
     monkeypatch.setattr(Scheduler, "_run", lambda self, group: log.append(
-        "chunk" if group[0].alone else "step") or real(self, group))
+        "chunk" if group[0].alone else f"step {len(group)}") or real(self, group))
 
     class Logged(queue.SimpleQueue):
         def put(self, item, block=True, timeout=None):
@@ -339,6 +340,7 @@ def test_a_prompt_joining_decoders_runs_a_chunk_a_step(loaded, monkeypatch):
         got = [head + [tok for e in events for tok in e.tokens], [tok for e in two for tok in e.tokens]]
     chunks = [i for i, what in enumerate(log) if what == "chunk"][-4:]  # the second prompt's
     assert len(chunks) == 4 and all("token 0" in log[a:b] for a, b in zip(chunks, chunks[1:])), log
+    assert log[chunks[-1] + 1:chunks[-1] + 3] == ["step 1", "token 1"], log  # its last 3 tokens at once, alone
     assert got == [alone(t, first, max_new_tokens=60, **kw), alone(t, second, max_new_tokens=4, **kw)]
 
 

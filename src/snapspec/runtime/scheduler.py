@@ -292,13 +292,14 @@ class Scheduler:
             except BaseException as exc:  # never leave a sequence waiting
                 groups = [[p] for p in rest]
                 log.error("grouping forwards failed (%s): running them one by one", exc)
-            # nobody decodes (a burst of new prompts from idle): each prompt's forwards run one after another, so the
-            # first of the burst streams after its own prefill; else one forward a sequence a step, between the steps
+            # a prompt's forwards up to its first token go on at once: all of them where nobody decodes (a burst of
+            # new prompts from idle: the first of the burst streams after its own prefill, not after all of them),
+            # else its short ones (its last piece); its next long chunk waits for the next step, one a step
             decoding = any(not p.alone and not stepping.prompting(p) for p in todo)
             for group in groups:
                 self._run(group)
                 nxt = self._resume(group)
-                while not decoding and len(nxt) == 1 and self._prompt_goes_on(nxt[0]):
+                while len(nxt) == 1 and self._prompt_goes_on(nxt[0]) and not (decoding and nxt[0].alone):
                     self._run(nxt)
                     nxt = self._resume(nxt)
                 resumed += nxt
