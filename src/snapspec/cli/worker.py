@@ -56,8 +56,8 @@ class Job:
 
 class Outbox:
     """What the jobs stepped in the scheduler's thread hand to the event loop (their tokens, their outcome), handed
-    over once a step (stepping.Steps.add_flush): one wake of the loop, one write to its self-pipe, for every
-    running job's tokens of a step, instead of one each. Only the scheduler's thread touches it."""
+    over once for the jobs of each forward (stepping.Steps.add_flush): one wake of the loop, one write to its
+    self-pipe, for all their tokens of a step, instead of one each. Only the scheduler's thread touches it."""
 
     def __init__(self):
         self._calls: list[tuple] = []

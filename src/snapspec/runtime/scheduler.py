@@ -15,7 +15,9 @@ forward pending (or `patience` has passed since the first; with a state pool, no
 - longer calls (prefill chunks) run alone, on the context's own runner: in a hybrid model, prompts of different
   lengths cannot share a forward (each row's recurrent state would pass the other's padding), and padding decode
   steps to a prefill chunk would multiply their work;
-- the graph for B sequences (batched_graph.py) is made once per B, on first use or at `warm`.
+- the graph for B sequences (batched_graph.py) is made once per B, on first use or at `warm`;
+- a stepped sequence goes on as soon as its own forward ran, and its prompt's forwards (`stepping.prompt`) at once:
+  all where nobody decodes (a burst from idle), else the short ones: a running sequence waits one chunk a prompt.
 
 The MTP heads of the slots (`--drafter mtp`: each slot's MtpDrafter has a head with its own KV) hand their forwards
 here too (`attach(ctx, drafter)` asks the drafter; `attach_head`), and the same rules batch them on the head's graph
@@ -284,17 +286,15 @@ class Scheduler:
                 todo = [p for p in todo if not any(p is q for q in later)]
                 with self._cv:
                     self._pending = later + self._pending
-            # each stepped sequence goes on as soon as its own forward ran, and what it queued goes out then: the
-            # pooled step's tokens, or a burst's first prompt's first token, need not wait for the other groups
+            # each stepped sequence goes on as soon as its own forward ran (its tokens need not wait for the others)
             resumed = self._resume([p for p in todo if not any(p is q for q in rest)])
             try:
                 groups = self._groups(rest)
             except BaseException as exc:  # never leave a sequence waiting
                 groups = [[p] for p in rest]
                 log.error("grouping forwards failed (%s): running them one by one", exc)
-            # a prompt's forwards up to its first token go on at once: all of them where nobody decodes (a burst of
-            # new prompts from idle: the first of the burst streams after its own prefill, not after all of them),
-            # else its short ones (its last piece); its next long chunk waits for the next step, one a step
+            # a prompt's forwards go on at once: all where nobody decodes (a burst: the first streams after its own
+            # prefill, not after all of them), else its short ones; its next long chunk waits for the next step
             decoding = any(not p.alone and not stepping.prompting(p) for p in todo)
             for group in groups:
                 self._run(group)

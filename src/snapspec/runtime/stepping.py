@@ -100,8 +100,9 @@ class Steps:
         self._lock = threading.Lock()
 
     def add_flush(self, flush: Callable[[], None]) -> None:
-        """flush() runs in the scheduler's thread once per step, after the sequences it stepped ran and the new ones
-        started, before the loop waits: what they queued for others goes out then, once a step (serve's Outbox)."""
+        """flush() runs in the scheduler's thread after the sequences of each forward were resumed and after new
+        ones started, before the loop waits: what they queued for others goes out then, once for all of them (serve's
+        Outbox)."""
         with self._lock:
             self._flushes.append(flush)
 
