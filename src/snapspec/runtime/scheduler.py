@@ -286,8 +286,8 @@ class Scheduler:
                 todo = [p for p in todo if not any(p is q for q in later)]
                 with self._cv:
                     self._pending = later + self._pending
-            # each stepped sequence goes on as soon as its own forward ran (its tokens need not wait for the others)
-            resumed = self._resume([p for p in todo if not any(p is q for q in rest)])
+            others = {id(p) for p in rest}  # each stepped sequence goes on as soon as its own forward ran
+            resumed = self._resume([p for p in todo if id(p) not in others])
             try:
                 groups = self._groups(rest)
             except BaseException as exc:  # never leave a sequence waiting
