@@ -123,3 +123,22 @@ def _owned(runner, binding) -> set[int]:
     if hasattr(runner, "_host_bound"):
         return {v.data_ptr() for _, views in runner._host_bound.values() for v in views.values()}
     return {v.data_ptr() for v in getattr(runner, "_host", {}).get(id(binding), {}).get("outs", {}).values()}
+
+
+def test_the_warm_up_leaves_no_host_buffer_or_mark_to_grow(target):
+    """After the warm-up every slot's mark holds its copy and every context's greedy host buffers are at their
+    largest: serving (a prompt longer than any before on every slot) allocates neither again, so the server's
+    memory does not climb slot by slot as the traffic reaches them (docs/serve.md, "Under load")."""
+    worker = _worker(target, None, 3, warm=True)
+    try:
+        marks = [mark for slot in worker.slots for mark in slot.marks]
+        copies = {id(m): m.copy.saved for m in marks}
+        assert all(copies.values()), "a mark's copy is allocated at its first save, not at start"
+        bufs = {id(m): dict(m.ctx.bound._host_bufs) for m in marks}
+        assert all(bufs.values()), "a context's greedy host buffers are allocated at its first forward"
+        _serve_all(worker)
+        for m in marks:
+            assert m.copy.saved is copies[id(m)]
+            assert all(m.ctx.bound._host_bufs[k] is v for k, v in bufs[id(m)].items()), "a host buffer grew"
+    finally:
+        _close(worker)

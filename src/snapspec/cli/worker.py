@@ -134,8 +134,9 @@ class Worker(lifecycle.Admission):
         self.warmed = None
         if warm:  # every session's arena at its peak now, not over the first requests (runtime/warm.py)
             from snapspec.runtime.warm import warm as warm_up
-            self.warmed = warm_up([mark.ctx for slot in self.slots for mark in slot.marks], self.scheduler,
-                                  defaults.get("prefill_chunk"))
+            marks = [mark for slot in self.slots for mark in slot.marks]
+            self.warmed = warm_up([mark.ctx for mark in marks], self.scheduler, defaults.get("prefill_chunk"),
+                                  [mark.copy for mark in marks if mark.copy is not None])
             for slot in self.slots:
                 slot.reset()
         self._free = list(self.slots)

@@ -13,7 +13,12 @@ grows"). Here each session meets its largest call at start:
   position 0, keeping one row with logits (a long prompt's first chunk);
 - with a scheduler: for each batch size 2..N, one forward of that many of the target's contexts, each of the rows the
   scheduler batches at most (a verify of the deepest bounded draft), every row kept with logits
-  (Scheduler.warm_rows).
+  (Scheduler.warm_rows);
+- every context, with no forward: its runner's host buffers for a greedy call's outputs (rollback data, hidden rows,
+  ids) sized for a whole chunk keeping every row (BoundRunner.reserve), and each chat mark's copy of the recurrent
+  state (`marks`: SavedState.reserve). Both are allocated on first use otherwise, slot by slot as the traffic reaches
+  them, and the host buffers grow by doubling as longer prompts come: with 16 slots that was 50 MiB of the 134 MiB a
+  load run's server grew between its 40th and 800th request (docs/serve.md, "Under load").
 
 Position 0, not the deepest: the CPU attention kernel sizes its scratch by the KV buffer's length, not the position,
 and a deeper start would fail on a graph whose rotary table is shorter than the context it was exported for.
@@ -35,10 +40,10 @@ from .context import PREFILL_CHUNK
 log = logging.getLogger("snapspec")
 
 
-def warm(contexts: list, scheduler=None, chunk: int | None = None) -> dict:
+def warm(contexts: list, scheduler=None, chunk: int | None = None, marks: list = ()) -> dict:
     """Run the largest calls once through every session these contexts (and the scheduler) use, then reset the
-    contexts. contexts: every context of every slot (target and drafter models'); scheduler: the target's, when
-    slots decode together. Returns what ran: {"alone": [(model folder name, rows)], "batched": [(sequences, rows)],
+    contexts and reserve their host buffers and the marks' copies. contexts: every context of every slot (target
+    and drafter models'); scheduler: the target's, when slots decode together; marks: SavedStates. Returns what ran: {"alone": [(model folder name, rows)], "batched": [(sequences, rows)],
     "seconds": wall time}."""
     started = time.monotonic()
     chunk = int(chunk or PREFILL_CHUNK)
@@ -56,6 +61,9 @@ def warm(contexts: list, scheduler=None, chunk: int | None = None) -> dict:
         done["batched"] = scheduler.warm_rows([c for c in contexts if c.batch is scheduler])
     for ctx in contexts:
         ctx.reset()
+        ctx.bound.reserve(ctx.keys(), min(chunk, ctx.max_len - 1))
+    for saved in marks:  # their stores' contexts were just reset: position 0
+        saved.reserve(0)
     done["seconds"] = time.monotonic() - started
     log.info("warm-up: %s in %.1f s", done, done["seconds"])
     return done

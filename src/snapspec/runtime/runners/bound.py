@@ -109,6 +109,18 @@ class BoundRunner:
         outs = last[1]
         return outs, outs["next_tokens"].numpy()[0, -keep:].copy(), None
 
+    def reserve(self, keys: tuple, t: int) -> None:
+        """Size (and write through) the greedy host buffers for the largest call of up to t tokens keeping them all,
+        so that no later call grows them (runtime/warm.py: a server's memory at its peak from the start)."""
+        if not self._host:
+            return
+        if self._extra is None:
+            self._binding(keys, False)  # the binding a greedy call at these keys makes: it learns the outputs
+        for name in self._extra + ["next_tokens"] * self.io.argmax_in_graph:
+            dims, dt = self.io.shape(name, t, t)
+            self._host_view(name, dims, dt)
+            self._host_bufs[name].fill(0)
+
     def _host_view(self, name: str, dims: list[int], dt):
         """An OrtValue over the first prod(dims) items of this runner's buffer for `name`, grown when too small (a
         binding still holding the old buffer keeps it alive through its view, until it is rebound)."""

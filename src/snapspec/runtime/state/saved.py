@@ -26,10 +26,18 @@ class SavedState:
 
     def save(self, n_past: int) -> None:
         self._live, self._memo = self.store.live(n_past)
-        if self.saved is None:  # flat buffers of each region's size and dtype
-            self.saved = {name: allocate([r.nbytes // np.dtype(value_dtype(r.value)).itemsize], value_dtype(r.value),
-                                         self.device, 0.0) for name, r in self._live.items()}
+        self._allocate(self._live)
         self.copy.copy([(r, Region(self.saved[name])) for name, r in self._live.items()])
+
+    def reserve(self, n_past: int) -> None:
+        """Allocate the copy now (written through, so a host's pages are resident) rather than at the first save: a
+        server's slot then holds its whole mark from the start (runtime/warm.py)."""
+        self._allocate(self.store.live(n_past)[0])
+
+    def _allocate(self, live: dict) -> None:
+        if self.saved is None:  # flat buffers of each region's size and dtype, zero-filled
+            self.saved = {name: allocate([r.nbytes // np.dtype(value_dtype(r.value)).itemsize], value_dtype(r.value),
+                                         self.device, 0.0) for name, r in live.items()}
 
     def restore(self, pos: int) -> None:
         self.copy.copy([(Region(self.saved[name]), r) for name, r in self._live.items()])
