@@ -116,6 +116,35 @@ def test_a_stable_batch_reuses_its_bindings(loaded):
     assert made <= 2, f"{made} bindings for {forwards} forwards"
 
 
+def test_changing_sets_keep_few_bindings(loaded):
+    """Sequences of different lengths on three slots: the set that decodes together changes as each ends and the
+    next prompt takes its slot. Every batched runner keeps at most CACHED bindings (each holds its sequences' every
+    state value in onnxruntime: kept by the dozen, a 16-slot server's memory climbed for hundreds of requests), and
+    drops an evicted binding's host arrays with it. Tokens equal each prompt's alone."""
+    from snapspec.runtime.runners.batched import CACHED, BatchedRunner
+
+    t = loaded("qwen3_5")
+    lengths = [4, 9, 14, 6, 11, 3, 8, 5, 12, 7, 10, 2]
+    ps = prompts(t.vocab_size, len(lengths), seed=11)
+    got: dict[int, list[int]] = {}
+    with Batch(t, parallel=3, context=CONTEXT) as b:
+        def client(i: int) -> None:
+            got[i] = [tok for e in b.submit(ps[i], max_new_tokens=lengths[i], stop_at_eos=False) for tok in e.tokens]
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ps))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        runners = [r for r in b.scheduler._runners.values() if isinstance(r, BatchedRunner)]
+        made = b.scheduler.counters.batched_forwards
+    assert runners and made > CACHED
+    for r in runners:
+        assert len(r._bindings) <= CACHED and set(r._host) <= {id(e[0]) for e in r._bindings.values()}
+    for i, p in enumerate(ps):
+        assert got[i] == alone(t, p, max_new_tokens=lengths[i], stop_at_eos=False), f"prompt {i} differs from alone"
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "mamba2"])
 def test_padded_forward(arch, loaded):
     """Three sequences, each joined and prefilled, meet at a barrier and ask for forwards of 1, 3 and 5 tokens: the

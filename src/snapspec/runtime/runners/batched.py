@@ -51,7 +51,12 @@ class Result:
     keys: tuple | None = None  # its stores' keys the forward ran from, where the scheduler changed them (aligned)
 
 
-CACHED = 32  # bindings kept per runner: a stable set of sequences alternates between two key combinations
+# Bindings kept per runner: a stable set of sequences alternates between two key combinations; two more for the set
+# a join or a leave just replaced. A set seldom comes back once it changed, and each kept binding holds every state
+# value of its n sequences in onnxruntime's C++ (not Python's heap): 32 a runner held 110 MiB more at request 800
+# than at 40 on a 16-slot CPU server, filling as rarer sizes met new sets (docs/serve.md, "Under load"); 2 and 4
+# level off by request 150 at the same tokens/s.
+CACHED = 4
 
 
 class BatchedRunner:
