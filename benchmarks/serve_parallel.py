@@ -689,15 +689,21 @@ SCENARIOS = {"concurrent": concurrent, "agent": agent, "load": load}
 # --- provenance and the summary ------------------------------------------------------------------------------------
 
 def provenance(a, server: Server) -> dict:
+    tree = REPO
+    if a.server == "snapspec":  # the checkout the server imports (PYTHONPATH may name another tree than this one's)
+        import snapspec
+        src = Path(snapspec.__file__).resolve().parents[2]
+        tree = src if (src / ".git").exists() else REPO
+
     def run(cmd):
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO)
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=tree)
             return (out.stdout + out.stderr).strip()
         except OSError as e:
             return str(e)
 
     info = {"git": run(["git", "rev-parse", "HEAD"]), "git_dirty": bool(run(["git", "status", "--porcelain"])),
-            "python": platform.python_version(), "openai": openai.__version__, "command": server.command,
+            "tree": str(tree), "python": platform.python_version(), "openai": openai.__version__, "command": server.command,
             "url": server.url, "cpu": next((line.split(":", 1)[1].strip() for line in
                                            Path("/proc/cpuinfo").read_text().splitlines()
                                            if line.startswith("model name")), platform.processor()),

@@ -53,9 +53,9 @@ class Result:
 
 # Bindings kept per runner: a stable set of sequences alternates between two key combinations; two more for the set
 # a join or a leave just replaced. A set seldom comes back once it changed, and each kept binding holds every state
-# value of its n sequences in onnxruntime's C++ (not Python's heap): 32 a runner held 110 MiB more at request 800
-# than at 40 on a 16-slot CPU server, filling as rarer sizes met new sets (docs/serve.md, "Under load"); 2 and 4
-# level off by request 150 at the same tokens/s.
+# value of its n sequences in onnxruntime's C++ (not Python's heap): at 32 a runner, a 16-slot CPU server grew
+# +8.9-9.8% from request 40 to 800 as the rarer sizes met new sets; at 4, +2.5%, nearly all of it by request 150, at
+# the same tokens/s (docs/serve.md, "Under load").
 CACHED = 4
 
 
