@@ -22,6 +22,7 @@ from snapspec import SnapspecError
 from snapspec.runtime import Generator, SamplingParams, load
 from snapspec.runtime.batch import Batch
 from snapspec.runtime.scheduler import Scheduler, batchable
+from snapspec.runtime.scheduler_runs import Runs
 from tiny import MODEL_TYPES
 
 NEW = 16
@@ -319,8 +320,8 @@ def test_a_sequence_goes_on_after_its_own_prefill(loaded, monkeypatch, chunk):
     ps = [rng.integers(3, t.vocab_size, size=43).tolist() for _ in range(3)]
     kw = dict(max_new_tokens=4, stop_at_eos=False, prefill_chunk=chunk)
     log: list[str] = []
-    real = Scheduler._run
-    monkeypatch.setattr(Scheduler, "_run", lambda self, group: log.append("run") or real(self, group))
+    real = Runs.run
+    monkeypatch.setattr(Runs, "run", lambda self, group: log.append("run") or real(self, group))
 
     class Logged(queue.SimpleQueue):
         def put(self, item, block=True, timeout=None):
@@ -350,8 +351,8 @@ def test_a_prompt_joining_decoders_runs_a_chunk_a_step(loaded, monkeypatch):
     rng = np.random.default_rng(14)
     first, second = rng.integers(3, t.vocab_size, size=6).tolist(), rng.integers(3, t.vocab_size, size=43).tolist()
     log: list[str] = []
-    real = Scheduler._run
-    monkeypatch.setattr(Scheduler, "_run", lambda self, group: log.append(
+    real = Runs.run
+    monkeypatch.setattr(Runs, "run", lambda self, group: log.append(
         "chunk" if group[0].alone else f"step {len(group)}") or real(self, group))
 
     class Logged(queue.SimpleQueue):

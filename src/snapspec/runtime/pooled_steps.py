@@ -116,11 +116,11 @@ class PooledSteps:
 
     def _runner(self) -> PooledRunner:
         s = self.scheduler
-        with s._lock:
+        with s.runs.lock:
             if self.runner is None:
                 model = s.model
                 captured = model.device == "cuda" and bool(s.graphs)
-                session = batched_session(model, self.pool.capacity, s.weights("forward"), cuda_graph=captured,
+                session = batched_session(model, self.pool.capacity, s.runs.weights("forward"), cuda_graph=captured,
                                           pooled=True)
                 self.runner = PooledRunner(model, self.pool, session, captured)
             return self.runner

@@ -15,7 +15,8 @@ forward pending (or `patience` has passed since the first; with a state pool, no
 - longer calls (prefill chunks) run alone, on the context's own runner: in a hybrid model, prompts of different
   lengths cannot share a forward (each row's recurrent state would pass the other's padding), and padding decode
   steps to a prefill chunk would multiply their work;
-- the graph for B sequences (batched_graph.py) is made once per B, on first use or at `warm`;
+- the graph for B sequences (batched_graph.py) is made once per B, on first use or at `warm`, and a group runs on
+  it (scheduler_runs.py);
 - a stepped sequence goes on as soon as its own forward ran, and its prompt's forwards (`stepping.prompt`) at once:
   all where nobody decodes (a burst from idle), else the short ones: a running sequence waits one chunk a prompt.
 
@@ -37,45 +38,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from snapspec import SnapspecError
 
-from .batched_session import batchable, batched_session  # noqa: F401 (batchable: also imported from here)
+from .batched_session import batchable  # also imported from here
 from . import stepping
 from .policy import window_of
-from .runners.batched import BatchedRunner, Call, Result, aligned
-from .runners.batched_captured import CapturedBatch
-from .runners.batched_head import BatchedHead, HeadCall, head_batchable
-from .pooled_steps import PooledSteps, plain, settle
+from .runners.batched import Call, Result
+from .runners.batched_head import HeadCall, head_batchable
+from .pooled_steps import PooledSteps, plain
+from .scheduler_runs import Pending as _Pending, Runs
 
 log = logging.getLogger("snapspec")
-
-
-@dataclass
-class _Pending:
-    call: Call | HeadCall
-    alone: bool  # runs on its context's own runner (its head's own session)
-    head: bool = False  # an MTP head's forward
-    done: threading.Event | None = None  # set when it ran; made for a sequence in a thread of its own
-    result: object = None
-    error: BaseException | None = None
-    stepper: object = None  # the sequence's greenlet when the scheduler's thread steps it (stepping.py)
-
-
-@dataclass
-class Counters:
-    """What /metrics and bench report about batching (the target's forwards, or the MTP heads')."""
-
-    forwards: int = 0  # forwards run (batched or alone)
-    batched_forwards: int = 0  # forwards of more than one sequence
-    rows: int = 0  # token rows run, padding included
-    padded_rows: int = 0  # of those, padding
-    sequences: int = 0  # sequence-calls served (sum of the batch sizes)
-    captured_forwards: int = 0  # forwards at fixed addresses (Scheduler(graphs=N)): CUDA graphs replayed on CUDA
-    pooled_forwards: int = 0  # plain steps over slot-major state (Scheduler(pool=N), runners/pooled.py)
 
 
 class Scheduler:
@@ -101,14 +77,12 @@ class Scheduler:
         self.model = model
         self.graphs = int(graphs)
         self.patience = float(patience)
-        self.counters = Counters()
-        self.head_counters = Counters()
-        self._runners: dict[tuple, BatchedRunner | BatchedHead | CapturedBatch] = {}  # (graph, sequences, captured)
-        self._weights: dict[str, dict] = {}  # each graph's weights, one copy for all its batched sessions (made once)
+        self.runs = Runs(model, self.graphs)  # the runners for n sequences, made once each (scheduler_runs.py)
+        self.counters, self.head_counters = self.runs.counters, self.runs.head_counters
+        self._runners = self.runs.made  # (graph, sequences, captured) -> runner
         self._rows = window_of(model) + 1  # the longest head call that joins others: a catch-up after a full round
         # why the MTP heads' calls cannot run batched ("": they can); None: not asked yet
         self._heads: str | None = None if heads else "switched off (Scheduler(heads=False))"
-        self._lock = threading.Lock()  # makes the runners
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
         self._live = 0
@@ -174,9 +148,9 @@ class Scheduler:
             self.pooled.warm()
         for n in sizes:
             if n > 1 or self.graphs:
-                self._runner(n, captured=bool(self.graphs))
+                self.runs.runner(n, captured=bool(self.graphs))
                 if self._heads == "":  # a drafter asked for batched head calls
-                    self._runner(n, head=True)
+                    self.runs.runner(n, head=True)
 
     def warm_rows(self, contexts: list) -> list[tuple[int, int]]:
         """One forward for each batch size 2..len(contexts) (runtime/warm.py): the first n contexts, each with the
@@ -189,7 +163,7 @@ class Scheduler:
                 t = min(self._short(ctx), ctx.max_len - 1)
                 calls.append(Call(ctx, ctx.keys(), np.zeros(t, dtype=np.int64), 0, t, True))
             rows = max(len(c.ids) for c in calls)  # at most `graphs` rows replay graphs (_captured): warm that session
-            self._runner(n, captured=0 < rows <= self.graphs).forward(calls)
+            self.runs.runner(n, captured=0 < rows <= self.graphs).forward(calls)
             done.append((n, rows))
         return done
 
@@ -297,10 +271,10 @@ class Scheduler:
             # prefill, not after all of them), else its short ones; its next long chunk waits for the next step
             decoding = any(not p.alone and not stepping.prompting(p) for p in todo)
             for group in groups:
-                self._run(group)
+                self.runs.run(group)
                 nxt = self._resume(group)
                 while len(nxt) == 1 and self._prompt_goes_on(nxt[0]) and not (decoding and nxt[0].alone):
-                    self._run(nxt)
+                    self.runs.run(nxt)
                     nxt = self._resume(nxt)
                 resumed += nxt
 
@@ -338,62 +312,3 @@ class Scheduler:
         # rows in a fixed order (by context), so that a stable set of sequences meets its runner's kept bindings
         together = [sorted(g, key=lambda p: id(p.call.head if p.head else p.call.ctx)) for g in groups.values()]
         return out + together
-
-    def _run(self, group: list[_Pending]) -> None:
-        head = group[0].head
-        counters = self.head_counters if head else self.counters
-        try:
-            calls = [p.call for p in group]
-            captured = self._captured(calls) if not head and not group[0].alone else None
-            if captured is None and len(group) == 1:
-                c = calls[0]
-                group[0].result = c.alone() if head else c.ctx.bound.forward(c.keys, c.ids[None], c.start, c.keep,
-                                                                             c.logits)
-                rows = len(c.ids)
-            else:
-                runner = captured or self._runner(len(group), head)
-                for p, r in zip(group, runner.forward(calls)):
-                    p.result = r
-                    if not head:
-                        r.keys = p.call.keys  # aligned may have moved them
-                rows = len(group) * max(len(c.ids) for c in calls)
-                counters.batched_forwards += len(group) > 1
-                counters.captured_forwards += captured is not None
-                counters.padded_rows += rows - sum(len(c.ids) for c in calls)
-            counters.forwards += 1
-            counters.rows += rows
-            counters.sequences += len(group)
-        except BaseException as exc:  # every waiting sequence hears of it; the scheduler goes on
-            settle(group, exc)
-            return
-        settle(group)
-
-    def _captured(self, calls: list[Call]) -> CapturedBatch | None:
-        """The fixed-address runner for these target calls (short ones: a group never mixes in a prefill chunk),
-        where the scheduler has graphs and they fit: at most `graphs` rows, and a key the runner has, or room for one
-        more (a lone sequence's step too: its runner is the graph for one sequence)."""
-        if not self.graphs or max(len(c.ids) for c in calls) > self.graphs:
-            return None
-        aligned(calls)
-        runner = self._runner(len(calls), captured=True)
-        return runner if runner.fits(calls) else None
-
-    def weights(self, graph: str) -> dict:
-        """The graph's weights as OrtValues, loaded once and shared by every session the scheduler makes on it (the
-        batched graphs for each size, the pooled one); under the runners' lock."""
-        if graph not in self._weights:
-            from .head import external_values
-            self._weights[graph] = external_values(self.model.manifest, graph, ep=self.model.ep)
-        return self._weights[graph]
-
-    def _runner(self, n: int, head: bool = False, captured: bool = False):
-        graph = "mtp" if head else "forward"
-        with self._lock:
-            if (graph, n, captured) not in self._runners:
-                started = time.monotonic()
-                session = batched_session(self.model, n, self.weights(graph), graph, cuda_graph=captured)
-                kind = CapturedBatch if captured else BatchedHead if head else BatchedRunner
-                self._runners[graph, n, captured] = kind(self.model, n, session)
-                log.info("%s graph for %d sequences%s ready in %.1f s", graph, n, " (captured)" * captured,
-                         time.monotonic() - started)
-            return self._runners[graph, n, captured]
