@@ -174,7 +174,7 @@ def pooled_by_default(target, graphs: int | None = None, rollback: str | None = 
 
 
 def settle(group: list, error: BaseException | None = None, what: str = "batched") -> None:
-    """Wake the sequences of a forward that ran (the scheduler's _Pending), each with the error where it failed."""
+    """Wake the sequences of a forward that ran (scheduler_runs.Pending), each with the error where it failed."""
     for p in group:
         if error is not None:
             p.error = error if isinstance(error, SnapspecError) else SnapspecError(f"{what} forward failed: {error}")
