@@ -703,7 +703,8 @@ def provenance(a, server: Server) -> dict:
             return str(e)
 
     info = {"git": run(["git", "rev-parse", "HEAD"]), "git_dirty": bool(run(["git", "status", "--porcelain"])),
-            "tree": str(tree), "python": platform.python_version(), "openai": openai.__version__, "command": server.command,
+            "tree": str(tree), "python": platform.python_version(), "openai": openai.__version__,
+            "command": server.command,
             "url": server.url, "cpu": next((line.split(":", 1)[1].strip() for line in
                                            Path("/proc/cpuinfo").read_text().splitlines()
                                            if line.startswith("model name")), platform.processor()),

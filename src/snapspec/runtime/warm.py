@@ -17,8 +17,9 @@ grows"). Here each session meets its largest call at start:
 - every context, with no forward: its runner's host buffers for a greedy call's outputs (rollback data, hidden rows,
   ids) sized for a whole chunk keeping every row (BoundRunner.reserve), and each chat mark's copy of the recurrent
   state (`marks`: SavedState.reserve). Both are allocated on first use otherwise, slot by slot as the traffic reaches
-  them, and the host buffers grow by doubling as longer prompts come: with 16 slots that was 50 MiB of the 134 MiB a
-  load run's server grew between its 40th and 800th request (docs/serve.md, "Under load").
+  them, and the host buffers grow by doubling as longer prompts come (Python's tracemalloc named them in a 16-slot
+  server: docs/serve.md, "Under load"; what that server's memory grew by under load was the batched runners' kept
+  bindings, runners/batched.py CACHED).
 
 Position 0, not the deepest: the CPU attention kernel sizes its scratch by the KV buffer's length, not the position,
 and a deeper start would fail on a graph whose rotary table is shorter than the context it was exported for.
@@ -43,8 +44,8 @@ log = logging.getLogger("snapspec")
 def warm(contexts: list, scheduler=None, chunk: int | None = None, marks: list = ()) -> dict:
     """Run the largest calls once through every session these contexts (and the scheduler) use, then reset the
     contexts and reserve their host buffers and the marks' copies. contexts: every context of every slot (target
-    and drafter models'); scheduler: the target's, when slots decode together; marks: SavedStates. Returns what ran: {"alone": [(model folder name, rows)], "batched": [(sequences, rows)],
-    "seconds": wall time}."""
+    and drafter models'); scheduler: the target's, when slots decode together; marks: SavedStates. Returns what
+    ran: {"alone": [(model folder name, rows)], "batched": [(sequences, rows)], "seconds": wall time}."""
     started = time.monotonic()
     chunk = int(chunk or PREFILL_CHUNK)
     done: dict = {"alone": [], "batched": []}
