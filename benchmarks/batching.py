@@ -66,6 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--pooled", choices=["on", "off"], default="off",
                    help="on: the slots' state as rows of one pool, plain steps one forward of the export's graph "
                         "(Scheduler(pool=N), runners/pooled.py)")
+    p.add_argument("--ahead", choices=["auto", "on", "off"], default="auto",
+                   help="with --pooled on: the next pooled step of plain greedy sequences queued while their Python "
+                        "runs (Scheduler(ahead=...), pooled_steps.PooledSteps.ahead; auto: on CUDA with graphs)")
     p.add_argument("--alone", choices=["generator", "batch"], default="generator",
                    help="one at a time: a Generator on one Pair (default), or a Batch of one slot on the same path "
                         "as together (with --pooled on: the pooled step at n = 1, whose tokens together must equal)")
@@ -91,8 +94,9 @@ def main(argv=None) -> int:
         kw["draft_max"] = draft_max
 
     pair = Pair(target, drafter, length=context)
+    ahead = {"auto": None, "on": True, "off": False}[a.ahead]
     scheduler = Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs,
-                          pool=a.parallel if a.pooled == "on" else 0)
+                          pool=a.parallel if a.pooled == "on" else 0, ahead=ahead)
     batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler, stepping=a.stepping)
 
     costs = None
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
 
     solo = Batch(target, drafter, parallel=1, context=context, stepping=a.stepping,
                  scheduler=Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs,
-                                     pool=1 if a.pooled == "on" else 0)) if a.alone == "batch" else None
+                                     pool=1 if a.pooled == "on" else 0, ahead=ahead)) if a.alone == "batch" else None
 
     def run_alone(ids):
         """One prompt alone: its tokens, as they come."""
@@ -202,6 +206,7 @@ def main(argv=None) -> int:
         solo.scheduler.close()
     result = {"cpu": cpu(), "ep": a.ep, "target": str(a.target), "drafter": a.drafter, "parallel": a.parallel,
               "stepping": batch.stepping, "head_batching": a.head_batching, "graphs": a.graphs, "pooled": a.pooled, "alone": a.alone,
+              "ahead": a.ahead,
               "prompts": len(prompts), "new": a.new, "threads": a.threads, "draft_max": a.draft_max, "runs": runs,
               "ratio_median": sorted(r["ratio"] for r in runs)[len(runs) // 2]}
     print(f"CPU: {result['cpu']}")

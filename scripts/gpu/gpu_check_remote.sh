@@ -38,6 +38,7 @@
 #                                                     NOFLASH=1: the probe again without flash attention
 #   scripts/gpu/gpu_check_remote.sh poolbatch C2 OUT benchmarks/batching.py, 16 together against one at a time, CUDA
 #                                                     graphs, pooled steps (runners/pooled.py) on and off, twice
+#                                                     (AHEAD_MODES="on off ...": --ahead of each run, in turn; REPS)
 #   scripts/gpu/gpu_check_remote.sh servepool C2 OUT snapspec serve --parallel 16 --cuda-graph 1, pooled steps on and
 #                                                     off (benchmarks/serve_parallel.py concurrent: 16 clients x 2
 #                                                     requests, and the same one at a time before and after), twice
@@ -122,13 +123,14 @@ PY
           tee -a $out/poolbatch-step-$shape.txt
       done
       [ -n "${STEP_ONLY:-}" ] && continue
-      for pl in ${POOLED_MODES:-on off}; do
+      for pl in ${POOLED_MODES:-on off}; do  # AHEAD_MODES="on off on off": steps run ahead or not, alternating
+        i=0; for ah in ${AHEAD_MODES:-auto}; do i=$((i + 1)); tag=$pl$([ "$ah" = auto ] || echo "-ahead-$ah-$i")
         timeout 280 python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
-          --new ${NEW:-$new} --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl --reps 2 \
-          --alone ${ALONE:-generator} --json $out/poolbatch-$shape-$pl.json > $out/poolbatch-$shape-$pl.log 2>&1
-        echo "pooled=$pl exit $?" | tee -a $out/poolbatch-$shape.txt
-        grep '^rep' $out/poolbatch-$shape-$pl.log | sed "s/^/pooled=$pl /" | tee -a $out/poolbatch-$shape.txt
-      done
+          --new ${NEW:-$new} --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl --reps ${REPS:-2} \
+          --alone ${ALONE:-generator} --ahead $ah --json $out/poolbatch-$shape-$tag.json > $out/poolbatch-$shape-$tag.log 2>&1
+        echo "pooled=$pl ahead=$ah exit $?" | tee -a $out/poolbatch-$shape.txt
+        grep '^rep' $out/poolbatch-$shape-$tag.log | sed "s/^/pooled=$pl ahead=$ah /" | tee -a $out/poolbatch-$shape.txt
+      done; done
       continue
     fi
     if [ $cmd = rollbackab ]; then  # one sequence: the state-window graph against the forward graph with replay

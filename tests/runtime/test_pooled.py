@@ -195,7 +195,7 @@ def test_what_the_pool_refuses(loaded):
             s.attach(Context(t, CONTEXT // 2, mode="replay", window=4))
     finally:
         s.close()
-    with pytest.raises(SnapspecError, match="pooled is the scheduler's"):
+    with pytest.raises(SnapspecError, match="pooled and ahead are the scheduler's"):
         Batch(t, parallel=2, context=CONTEXT, scheduler=Scheduler(t), pooled=True)
 
 
@@ -263,3 +263,72 @@ def test_lanes_equal_the_forwards_they_replace(loaded, data, monkeypatch):
             assert (got, reason) == (want, want_reason), f"prompt {i}: lanes {reason}, forwards {want_reason}"
     plain = sum(len(g) - 1 for g, r in lanes.values() if r != "cancelled")
     assert taken >= plain, f"{taken} lane steps for {plain} plain steps"
+
+
+def _serve_ahead(t, ps, budgets, delays, cancel_after, sampled, ahead: bool):
+    """Each prompt's (tokens, stop reason) from a pooled Batch stepped in one thread, steps run ahead or not, and
+    the scheduler's counters."""
+    out: dict[int, tuple[list[int], str]] = {}
+    with Batch(t, parallel=3, context=CONTEXT, pooled=True, stepping="one", ahead=ahead) as b:
+        def client(i: int) -> None:
+            time.sleep(delays[i])
+            sampling = SamplingParams(temperature=0.8, seed=i) if sampled[i] else SamplingParams()
+            seq = b.submit(ps[i], max_new_tokens=budgets[i], stop_at_eos=False, sampling=sampling)
+            got = []
+            for e in seq:
+                got += e.tokens
+                if cancel_after[i] is not None and len(got) >= cancel_after[i] and not e.done:
+                    seq.cancel()
+                if e.done:
+                    out[i] = (got, e.stop_reason if e.error is None else f"error {e.error}")
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ps))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        return out, b.scheduler.counters
+
+
+def test_steps_run_ahead_give_the_steps_asked_for(loaded):
+    """Three plain greedy prompts together, the next pooled step queued before the sequences are resumed
+    (pooled_steps.PooledSteps.ahead): the same tokens as without, most steps ran ahead, and the step run ahead of a
+    sequence that stopped was dropped, not recorded on its context."""
+    t = loaded("qwen3_5")
+    ps = prompts(t.vocab_size, 3, seed=3)
+    args = (t, ps, [NEW, NEW - 3, 5], [0.0] * 3, [None] * 3, [False] * 3)
+    want, plain = _serve_ahead(*args, ahead=False)
+    got, c = _serve_ahead(*args, ahead=True)
+    assert got == want and all(reason == "length" for _, reason in got.values()), got
+    assert plain.ahead_forwards == 0 and c.ahead_forwards >= NEW // 2, c
+    assert c.ahead_dropped >= 1 and c.sequences == plain.sequences, (c, plain)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_steps_run_ahead_equal_steps_asked_for(loaded, data):
+    """Under random arrivals, budgets (to the end of the context), cancellations and sampled sequences beside
+    greedy ones (no step runs ahead while one runs), every sequence's tokens and stop reason equal the same run's
+    without steps run ahead, bit for bit, on Qwen3.5, LFM2 and Mamba2."""
+    arch = data.draw(st.sampled_from(["qwen3_5", "lfm2", "mamba2"]), label="arch")
+    t = loaded(arch)
+    if batchable(t) is not None:
+        pytest.skip(f"not batchable: {batchable(t)}")
+    n = data.draw(st.integers(2, 5), label="prompts")
+    ps = prompts(t.vocab_size, n, seed=data.draw(st.integers(0, 99), label="seed"))
+    budgets = data.draw(st.lists(st.sampled_from([1, 2, 7, NEW, CONTEXT]), min_size=n, max_size=n), label="budgets")
+    delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01]), min_size=n, max_size=n), label="delays")
+    cancel_after = data.draw(st.lists(st.sampled_from([None, None, 2]), min_size=n, max_size=n), label="cancel")
+    sampled = data.draw(st.lists(st.sampled_from([False, False, True]), min_size=n, max_size=n), label="sampled")
+    args = (t, ps, budgets, delays, cancel_after, sampled)
+    want, _ = _serve_ahead(*args, ahead=False)
+    got, c = _serve_ahead(*args, ahead=True)
+    for i in range(n):
+        (tokens, reason), (want_tokens, want_reason) = got[i], want[i]
+        assert not reason.startswith("error") and not want_reason.startswith("error"), (reason, want_reason)
+        if "cancelled" in (reason, want_reason):  # each stops where its cancel lands: one is a prefix of the other
+            short = min(len(tokens), len(want_tokens))
+            assert tokens[:short] == want_tokens[:short], f"prompt {i} (cancelled) parts from the steps asked for"
+        else:
+            assert (tokens, reason) == (want_tokens, want_reason), f"prompt {i}: {reason}, without {want_reason}"
+    assert c.padded_rows >= c.ahead_dropped

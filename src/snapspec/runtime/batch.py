@@ -98,7 +98,7 @@ class Batch:
     def __init__(self, target: Model, drafter=None, *, parallel: int = 4, context: int | None = None,
                  window: int | None = None, rollback: str = "auto", patience: float = 0.05, warm: bool = True,
                  scheduler: Scheduler | None = None, stepping: str = "auto", graphs: int | None = None,
-                 pooled: bool | None = None):
+                 pooled: bool | None = None, ahead: bool | None = None):
         """drafter: what pair.make_drafter takes (each slot gets its own draft source: pair.slot_drafters);
         parallel: sequences at once; context: tokens each slot holds (default: the exports' max_context); warm: make
         the graphs for 2..parallel sequences now rather than at the first step that needs each; scheduler: another
@@ -109,7 +109,9 @@ class Batch:
         verifies of up to this many rows a sequence replay CUDA graphs of the batched forward (Scheduler's graphs;
         runners/batched_captured.py), a lone sequence's too (default: the target's cuda_graph); pooled: the slots'
         state as rows of one pool, their plain steps one forward of the export's graph (state/pool.py,
-        runners/pooled.py; default: on CUDA with graphs; not with a shared scheduler)."""
+        runners/pooled.py; default: on CUDA with graphs; not with a shared scheduler); ahead: with pooled steps, the
+        next step of plain greedy sequences runs on the device while their Python runs (Scheduler's ahead; default:
+        on CUDA with graphs)."""
         if int(parallel) < 1:
             raise SnapspecError(f"parallel must be >= 1, got {parallel}")
         steps.choose(stepping, ())  # a bad value fails before anything is made
@@ -121,10 +123,10 @@ class Batch:
             raise SnapspecError("graphs is the scheduler's: pass it to the Scheduler this Batch shares")
         if pooled is None:
             pooled = scheduler is None and pooled_by_default(target, graphs, rollback)
-        if pooled and scheduler is not None:
-            raise SnapspecError("pooled is the scheduler's: make the Scheduler with pool=N")
+        if (pooled or ahead is not None) and scheduler is not None:
+            raise SnapspecError("pooled and ahead are the scheduler's: make the Scheduler with pool=N (and ahead)")
         self.scheduler = scheduler or Scheduler(target, patience=patience, graphs=graphs,
-                                                pool=self.parallel if pooled else 0)
+                                                pool=self.parallel if pooled else 0, ahead=ahead)
         self._owns_scheduler = scheduler is None
         length = check_context(target, self.drafter, context)
         w = window_of(target, window)

@@ -29,14 +29,19 @@ from snapspec import SnapspecError
 
 from . import stepping
 from .batched_session import batched_session, one_row_steps
+from .device.stream import queued
 from .runners.batched import Call, aligned
-from .runners.pooled import PooledRunner
+from .runners.pooled import Launched, PooledRunner, overwrote
 from .state.pool import StatePool
 
 
 class PooledSteps:
-    def __init__(self, scheduler, capacity: int, keep_free: bool = False):
+    def __init__(self, scheduler, capacity: int, keep_free: bool = False, ahead: bool | None = None):
         self.scheduler = scheduler
+        # run the next step of a set of lanes while the host resumes them (`ahead`); default: where a step is a
+        # CUDA graph queued on the model's stream, so that it runs while the host works
+        self.run_ahead = bool(ahead) if ahead is not None else \
+            scheduler.model.device == "cuda" and bool(scheduler.graphs) and queued("cuda")
         fewest = 1 if one_row_steps(scheduler.model) else 2  # rows a step runs at least (state/pool.py)
         self.pool = StatePool(capacity, scheduler.model.device, keep_free, fewest)
         self.busy: dict[int, int] = {}  # pool slot -> sequences running on it
@@ -105,6 +110,61 @@ class PooledSteps:
         c.padded_rows += n - len(calls)
         c.sequences += len(group)
 
+    def ahead(self, ran: list) -> Ahead | None:
+        """Queue the next step of the sequences whose pooled step just ran, before they are resumed: where every
+        running sequence is a Lane that ran in it, each row is fed the id its lane just got, at its next position,
+        which is what a plain greedy lane asks for next. The step runs on the device while the host resumes the
+        sequences (their tokens, events, stops); `settle` gives each lane that then asks for that very step its
+        row's result, and treats the row of any other (a sequence that stopped) as an idle row: it wrote the
+        replay slot that its context does not read (runners/pooled.overwrote), and a KV row past its position.
+        None where it does not apply (then nothing ran)."""
+        if not self.run_ahead or not ran or self.runner is None:
+            return None
+        if not all(isinstance(p, Lane) and p.error is None and p.result is not None for p in ran):
+            return None
+        slots = {p.ctx.pool_slot for p in ran}
+        if len(slots) < len(ran) or not set(self.busy) <= slots or \
+                any(p.ctx.vacant or p.ctx.n_past >= p.ctx.max_len for p in ran):
+            return None
+        calls = [Call(p.ctx, p.ctx.keys(), np.array((p.result,), dtype=np.int64), p.ctx.n_past, 1, False)
+                 for p in ran]
+        with self.lock:
+            launched = self.runner.launch(calls, parity(calls), False)
+        return Ahead(ran, launched)
+
+    def settle(self, ahead: Ahead, waiting: list) -> tuple[list, list]:
+        """Wait for a step run ahead; hand each lane among `waiting` (the resumed sequences' next forwards) that
+        asks for the step its row ran its result. Returns those lanes (their forward has run: resume them) and
+        the rest of `waiting`."""
+        asked = {id(p) for p in waiting}
+        runner, launched = self.runner, ahead.launched
+        try:
+            results = runner.finish(launched)
+        except BaseException as exc:  # every lane that waits for it hears of it
+            mine = [p for p in ahead.lanes if id(p) in asked]
+            settle(mine, exc, "pooled")
+            return mine, [p for p in waiting if not any(p is q for q in mine)]
+        took = []
+        for lane, call, r in zip(ahead.lanes, launched.calls, results):
+            mine = lane.call
+            if id(lane) in asked and mine.start == call.start and mine.keys == call.keys and \
+                    int(mine.ids[0]) == int(call.ids[0]):
+                lane.ran(r)
+                took.append(lane)
+            else:
+                overwrote(lane.ctx, launched.k)
+        c = self.scheduler.counters
+        c.forwards += 1
+        c.pooled_forwards += 1
+        c.ahead_forwards += 1
+        c.captured_forwards += runner.graphs is not None
+        c.batched_forwards += len(launched.calls) > 1
+        c.rows += launched.n
+        c.padded_rows += launched.n - len(took)
+        c.ahead_dropped += len(launched.calls) - len(took)
+        c.sequences += len(took)
+        return took, [p for p in waiting if not any(p is q for q in took)]
+
     def lane(self, ctx) -> Lane | None:
         """ctx's plain steps as a Lane where they always run pooled (`plain`, the one rule for both); else None."""
         lane = Lane(ctx)
@@ -124,6 +184,13 @@ class PooledSteps:
                                           pooled=True)
                 self.runner = PooledRunner(model, self.pool, session, captured)
             return self.runner
+
+
+class Ahead:
+    """A step run ahead (PooledSteps.ahead): the lanes whose next step it is, and the launched step."""
+
+    def __init__(self, lanes: list, launched: Launched):
+        self.lanes, self.launched = lanes, launched
 
 
 class Lane:

@@ -56,7 +56,7 @@ log = logging.getLogger("snapspec")
 
 class Scheduler:
     def __init__(self, model, *, patience: float = 0.05, heads: bool = True, graphs: int | None = None,
-                 pool: int = 0, keep_free: bool = False):
+                 pool: int = 0, keep_free: bool = False, ahead: bool | None = None):
         """model: the loaded target (CPU or CUDA, the forward graph: not a state-window graph).
         patience: seconds the scheduler waits for every joined sequence's forward before running what it has.
         heads: run the slots' MTP head calls batched too (False: each head runs its own, as alone).
@@ -65,7 +65,9 @@ class Scheduler:
         default: the model's cuda_graph, so a target loaded with CUDA graphs batches with them).
         pool: the attached contexts (at most this many) hold their state as rows of one pool (state/pool.py), and the
         plain steps of the sequences on them run as one forward of the export's graph (runners/pooled.py); 0: off.
-        keep_free: a free slot's state survives the steps that run its row (a server's; state/pool.py)."""
+        keep_free: a free slot's state survives the steps that run its row (a server's; state/pool.py).
+        ahead: with a pool, run the next pooled step of plain greedy sequences while their Python runs (pooled_steps
+        PooledSteps.ahead); default: on CUDA with graphs, where the step then runs on the device meanwhile."""
         why = batchable(model)
         if why:
             raise SnapspecError(f"{model.folder.name} cannot run sequences in one forward: {why}")
@@ -86,7 +88,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
         self._live = 0
-        self.pooled = PooledSteps(self, pool, keep_free) if pool else None  # the slot-major path (pooled_steps.py)
+        self.pooled = PooledSteps(self, pool, keep_free, ahead) if pool else None  # the slot-major path (pooled_steps.py)
         self._closed = False
         self._poked = False
         self.steps = stepping.Steps()  # sequences stepped in this scheduler's thread (Batch(stepping="one"))
@@ -261,7 +263,9 @@ class Scheduler:
                 with self._cv:
                     self._pending = later + self._pending
             others = {id(p) for p in rest}  # each stepped sequence goes on as soon as its own forward ran
-            resumed = self._resume([p for p in todo if id(p) not in others])
+            ran = [p for p in todo if id(p) not in others]
+            resumed = self._resume_ahead(ran) if self.pooled is not None and not rest and not later else \
+                self._resume(ran)
             try:
                 groups = self._groups(rest)
             except BaseException as exc:  # never leave a sequence waiting
@@ -291,6 +295,20 @@ class Scheduler:
         if stepped:
             self.steps.flush()
         return nxt
+
+    def _resume_ahead(self, ran: list[_Pending]) -> list[_Pending]:
+        """_resume after a pooled step, with the lanes' next step queued first where it applies (PooledSteps.ahead):
+        it runs on the device while their Python runs. Each lane that asks for it gets its result at once, and the
+        next step goes ahead again, while every running sequence asks for its step and nothing else waits."""
+        while True:
+            quiet = not (self._pending or self._poked or self._closed)
+            ahead = self.pooled.ahead(ran) if quiet else None
+            nxt = self._resume(ran)
+            if ahead is None:
+                return nxt
+            ran, nxt = self.pooled.settle(ahead, nxt)
+            if nxt or not ran:
+                return nxt + self._resume(ran)
 
     def _groups(self, todo: list[_Pending]) -> list[list[_Pending]]:
         """Alone: long calls. Together: short calls whose contexts can roll padding back and have buffers of one

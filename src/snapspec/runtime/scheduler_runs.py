@@ -41,6 +41,8 @@ class Counters:
     sequences: int = 0  # sequence-calls served (sum of the batch sizes)
     captured_forwards: int = 0  # forwards at fixed addresses (Scheduler(graphs=N)): CUDA graphs replayed on CUDA
     pooled_forwards: int = 0  # plain steps over slot-major state (Scheduler(pool=N), runners/pooled.py)
+    ahead_forwards: int = 0  # of those, steps run ahead of the sequences' asking (pooled_steps.PooledSteps.ahead)
+    ahead_dropped: int = 0  # rows of a step run ahead that their sequence did not take (it stopped)
 
 
 class Runs:

@@ -137,7 +137,11 @@ class SchedulerCollector:
                 ("captured_forwards", "Forwards at fixed addresses: CUDA graphs of the batched forward replayed "
                  "(--cuda-graph)", c.captured_forwards),
                 ("pooled_forwards", "Plain steps of the running requests as one forward over the slots' state pool "
-                 "(--pooled)", c.pooled_forwards)):
+                 "(--pooled)", c.pooled_forwards),
+                ("ahead_forwards", "Of those, steps queued before their requests asked, run on the device while the "
+                 "host handled the last step's tokens", c.ahead_forwards),
+                ("ahead_dropped_rows", "Rows of a step run ahead that their request did not take (it had stopped)",
+                 c.ahead_dropped)):
             family = CounterMetricFamily(f"snapspec_batch_{name}", doc, labels=["model"])
             family.add_metric([self.model], value)
             yield family

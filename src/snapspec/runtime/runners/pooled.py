@@ -37,7 +37,7 @@ import onnxruntime as ort
 
 from ..batched_graph import POOLED_SEQLENS, POOLED_TOTAL
 from ..cuda_graph import GraphSession, run_options
-from ..device.stream import stream_for
+from ..device.stream import queued, stream_for
 from ..state import allocate, value_dtype
 from .batched import Call, Result
 from .io import GraphIO
@@ -48,6 +48,19 @@ class _Step:
     binding: ort.IOBinding
     outputs: dict[str, ort.OrtValue]
     options: ort.RunOptions | None
+
+
+@dataclass
+class Launched:
+    """A pooled step queued (PooledRunner.launch): its calls, the replay slot it read (k), its rows, the idle
+    contexts among them."""
+
+    calls: list[Call]
+    k: int
+    n: int
+    idle: list
+    step: _Step
+    logits: bool
 
 
 class PooledRunner:
@@ -74,6 +87,12 @@ class PooledRunner:
         state at slot k; logits: whether any call wants them on the host. busy: the calls of other running
         sequences below the highest slot of calls, which run after this step: their rows run idle here, from their
         state at slot k (the scheduler moved it there), and keep it."""
+        return self.finish(self.launch(calls, k, logits, busy))
+
+    def launch(self, calls: list[Call], k: int, logits: bool, busy: list[Call] = ()) -> Launched:
+        """forward's step, queued: on CUDA with graphs it returns once the replay is queued on the model's stream
+        (a step run ahead, pooled_steps.PooledSteps.ahead, runs while the host resumes the sequences); elsewhere
+        it has run. `finish` waits for it and returns the results."""
         pool = self.pool
         by_slot = {c.ctx.pool_slot: c for c in calls}
         running = {c.ctx.pool_slot for c in busy}
@@ -105,17 +124,20 @@ class PooledRunner:
             self.session.run_with_iobinding(step.binding, step.options)
         else:
             self.session.run_with_iobinding(step.binding)
+        return Launched(calls, k, n, idle, step, logits)
+
+    def finish(self, run: Launched) -> list[Result]:
+        """Wait for a launched step; record what it overwrote in its idle rows' contexts; each call's Result."""
         self.stream.sync()
-        for ctx in idle:  # their slot 1 - k was written: forgotten, or, where it held the live state, all of it
-            if ctx.recurrent is not None and not ctx.vacant:
-                ctx.forget() if ctx.recurrent.cur == 1 - k else ctx.recurrent.overwritten(1 - k)
-        outs = step.outputs
-        host = outs["logits"].numpy() if logits or not self.io.argmax_in_graph else None
+        for ctx in run.idle:
+            overwrote(ctx, run.k)
+        outs = run.step.outputs
+        host = outs["logits"].numpy() if run.logits or not self.io.argmax_in_graph else None
         best = outs["next_tokens"].numpy() if self.io.argmax_in_graph else host.argmax(axis=-1)
         rows, packed = self._rollback_rows, self.packed
         # c.ids is the call's own array; the ids and logits are copied out of the step's output buffers
         return [Result(c.ids, {packed: rows[c.ctx.pool_slot]} if packed else {}, best[c.ctx.pool_slot, -1:].copy(),
-                       host[c.ctx.pool_slot, -1:].copy() if c.logits else None, None) for c in calls]
+                       host[c.ctx.pool_slot, -1:].copy() if c.logits else None, None) for c in run.calls]
 
     def _buffers(self, n: int) -> tuple:
         if n not in self._inputs:
@@ -163,7 +185,8 @@ class PooledRunner:
             dims, dt = self.io.shape(name, 1, 1, batch=n)
             outputs[name] = allocate(dims, dt, dev, 0)
             b.bind_ortvalue_output(name, outputs[name])
-        options = run_options(self.graphs.new_id()) if self.graphs is not None else None
+        # queued: the replay returns once it is on the stream (the shared one: device/stream.py); finish waits
+        options = run_options(self.graphs.new_id(), queued(dev)) if self.graphs is not None else None
         self._steps[key] = _Step(b, outputs, options)
         return self._steps[key]
 
@@ -180,3 +203,11 @@ def _bind_rows(b: ort.IOBinding, name: str, value: ort.OrtValue, n: int, device:
     dims = [n] + list(value.shape())[1:]
     bind = b.bind_output if output else b.bind_input
     bind(name, device, 0, value_dtype(value), dims, value.data_ptr())
+
+
+def overwrote(ctx, k: int) -> None:
+    """A step that read replay slot k ran ctx's row without recording a step on it (an idle row, or a step run
+    ahead that its sequence did not take): it wrote slot 1 - k. Where that held ctx's live state, ctx forgets it
+    (Context.forget); else the store knows that slot is gone (ReplayState.overwritten)."""
+    if ctx.recurrent is not None and not ctx.vacant:
+        ctx.forget() if ctx.recurrent.cur == 1 - k else ctx.recurrent.overwritten(1 - k)
