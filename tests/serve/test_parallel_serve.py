@@ -105,6 +105,13 @@ def test_bad_parallel_is_one_line(target, value):
     assert "Traceback" not in p.stderr
 
 
+def test_ahead_without_pooled_steps_is_one_line(target):
+    p = subprocess.run([SNAPSPEC, "serve", "--target", str(target), "--parallel", "2", "--pooled", "off", "--ahead",
+                        "on"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--ahead on runs pooled steps ahead: it needs --pooled on" in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
 @pytest.mark.parametrize("drafter", ["mtp", "ngram+mtp"])
 def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path, drafter):
     """`--drafter mtp --parallel 3`: the command line makes one MtpDrafter, and each slot gets its own (spawn):
@@ -140,10 +147,12 @@ def test_each_slot_drafts_from_its_own_mtp_head(tiny_model, tmp_path, drafter):
     assert m["snapspec_batch_head_rows_total"] >= m["snapspec_batch_head_forwards_total"]
 
 
-def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
+@pytest.mark.parametrize("ahead", ["auto", "on"])
+def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path, ahead):
     """`--parallel 3 --pooled on` (on CPU only when asked: runtime/pooled_steps.py): 5 conversations at once, the
-    plain steps pooled, each reply equal to its run on one pooled slot of a Batch. (That a free slot keeps its
-    conversation through the pooled steps beside it: tests/runtime/test_pooled.py.)"""
+    plain steps pooled, each reply equal to its run on one pooled slot of a Batch; the same with `--ahead on` (the
+    next step queued before the requests' Python runs; auto: off on CPU), second turns resuming kept slots among
+    them. (That a free slot keeps its conversation through the pooled steps beside it: tests/runtime/test_pooled.py.)"""
     from snapspec.runtime import load
     from snapspec.runtime.batch import Batch
 
@@ -151,7 +160,8 @@ def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
     system = {"role": "system", "content": "You answer briefly. " * 6}
     conversations = [[system, {"role": "user", "content": f"question {i}: " + "xyz " * (i + 2)}] for i in range(5)]
     flags = ("--threads", "1", "--max-new-tokens", "12", "--cache-ram", "64MiB")  # the prefix cache on
-    with serving(tmp_path / "server.log", target, *flags, "--parallel", "3", "--pooled", "on") as server:
+    with serving(tmp_path / "server.log", target, *flags, "--parallel", "3", "--pooled", "on", "--ahead", ahead) \
+            as server:
         assert "plain steps pooled over the slots' state" in server["log"].read_text()
         replies = ask_all(server, conversations)
         turns = [c + [{"role": "assistant", "content": replies[i]}, {"role": "user", "content": "and then?"}]
@@ -159,6 +169,7 @@ def test_pooled_replies_equal_a_pooled_slot_alone(target, tmp_path):
         again = ask_all(server, turns)  # second turns: from a slot's state, or the prefix cache's snapshots
         m = metrics(server)
     assert m["snapspec_batch_pooled_forwards_total"] > 0
+    assert (m["snapspec_batch_ahead_forwards_total"] > 0) == (ahead == "on"), m
     assert m["snapspec_prefix_cache_hits_total"] > 0
     with Batch(model, parallel=1, pooled=True) as solo:
         for i, messages in enumerate(conversations + turns):

@@ -63,6 +63,10 @@ def add_parser(sub, runtime_flags):
                    help="with --parallel > 1, the slots' state as rows of one pool and the plain steps of the running "
                         "requests one forward of the export's graph (docs/batching.md, slot-major state; default "
                         "auto: on with CUDA graphs, --ep cuda --cuda-graph N)")
+    p.add_argument("--ahead", choices=["auto", "on", "off"], default="auto",
+                   help="with pooled steps, queue the next step of the plain greedy requests before their Python "
+                        "handles the last one's tokens, so that the device runs it meanwhile (docs/batching.md, "
+                        "steps run ahead; default auto: on with CUDA graphs)")
     p.add_argument("--no-warm-up", action="store_true",
                    help="skip the start-up run of the largest forwards (each onnxruntime session's memory then grows "
                         "to its peak over the first requests instead of at start; served output is the same)")
@@ -253,7 +257,8 @@ def run(args) -> int:
     worker = Worker(target, drafter, model_id=args.model_id or target.folder.name, context=args.context,
                     raw=args.no_chat_template, defaults=defaults, max_tokens_cap=args.max_tokens_cap,
                     max_queue=args.max_queue, cache_ram=args.cache_ram, parallel=args.parallel,
-                    warm=not args.no_warm_up, stepping=args.stepping, pooled=args.pooled)
+                    warm=not args.no_warm_up, stepping=args.stepping, pooled=args.pooled,
+                    ahead=args.ahead)
     key = lifecycle.api_key(args)
     sock = lifecycle.listen(args.host, args.port)
     host, port = sock.getsockname()[:2]

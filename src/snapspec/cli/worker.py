@@ -91,14 +91,16 @@ class Worker(lifecycle.Admission):
 
     def __init__(self, target, drafter, *, model_id: str, context: int | None, raw: bool, defaults: dict,
                  max_tokens_cap: int | None = None, max_queue: int | None = None, cache_ram: int = 0,
-                 parallel: int | str = 1, warm: bool = True, stepping: str = "auto", pooled: str = "auto"):
+                 parallel: int | str = 1, warm: bool = True, stepping: str = "auto", pooled: str = "auto",
+                 ahead: str = "auto"):
         """parallel: slots (requests decoded together), or "auto" (PARALLEL_AUTO where the model batches, else
         1: `parallel_note` says why). warm: run the largest forwards once before the first request, then empty the
         contexts (runtime/warm.py: memory reaches its peak at start; served output is unchanged). stepping: who runs
         a job's Python with N > 1, as Batch(stepping=...) (runtime/stepping.py): "one", the scheduler's thread
         (each job a greenlet there); "threads", a thread each; "auto", one unless a slot drafts with a model.
         pooled: "on", the slots' state slot-major and the plain steps one forward (runtime/pooled_steps.py); "auto",
-        on where the target replays CUDA graphs; "off"."""
+        on where the target replays CUDA graphs; "off". ahead: with pooled steps, the next step of the plain greedy
+        requests queued while their Python runs (Scheduler's ahead): "auto", on with CUDA graphs; "on"; "off"."""
         from snapspec.runtime.adaptive import SharedForwards
         from snapspec.runtime.chat import PromptCache
         from snapspec.runtime.prefix_cache import PrefixCache
@@ -124,7 +126,11 @@ class Worker(lifecycle.Admission):
             from snapspec.runtime.pooled_steps import pooled_by_default
             on = pooled == "on" or (pooled == "auto" and pooled_by_default(target, rollback=defaults.get("rollback")))
             # slot-major state (runtime/pooled_steps.py); a free slot keeps its conversation for the next turn
-            self.scheduler = Scheduler(target, pool=self.parallel if on else 0, keep_free=True)
+            if ahead == "on" and not on:
+                raise SnapspecError("--ahead on runs pooled steps ahead: it needs --pooled on (or auto with CUDA "
+                                    "graphs)")
+            self.scheduler = Scheduler(target, pool=self.parallel if on else 0, keep_free=True,
+                                       ahead={"auto": None, "on": True, "off": False}[ahead])
             sharing = SharedForwards(lambda: self.scheduler.live)
             for slot in self.slots:
                 self.scheduler.attach(slot.tctx, slot.drafter)  # an MTP head's forwards too
