@@ -17,6 +17,13 @@ A plain greedy sequence that the scheduler's thread steps hands it a `Lane` inst
 Generator asks `Scheduler.lane`): the same pooled row, graph and bookkeeping, without the layers a forward passes
 through on its way to the scheduler and back (Context.forward, Scheduler.forward, the pending call, the rows). On
 a GPU the host's work per sequence and step is what a pooled step waits for (docs/batching.md).
+
+So where every running sequence is a lane, the next step goes ahead (`PooledSteps.ahead`, on by default with CUDA
+graphs): right after a step, its rows are fed the ids they just got, at their next positions, and the step is queued
+on the device before the scheduler resumes the sequences. A plain greedy lane asks for exactly that step next, and
+gets the result at once (`settle`); a sequence that stopped instead leaves its row as an idle row leaves it (it wrote
+the replay slot its context does not read, and a KV row past its position). The bits are those of the step asked
+for: the same graph, rows and inputs.
 """
 
 from __future__ import annotations
