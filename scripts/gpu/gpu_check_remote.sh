@@ -127,7 +127,8 @@ PY
         i=0; for ah in ${AHEAD_MODES:-auto}; do i=$((i + 1)); tag=$pl$([ "$ah" = auto ] || echo "-ahead-$ah-$i")
         timeout 280 python3 benchmarks/batching.py --ep cuda --target /tmp/gc/x-$shape --parallel 16 --limit 16 \
           --new ${NEW:-$new} --prompts $c2/prompts.jsonl --stepping one --graphs 1 --pooled $pl --reps ${REPS:-2} \
-          --alone ${ALONE:-generator} --ahead $ah --json $out/poolbatch-$shape-$tag.json > $out/poolbatch-$shape-$tag.log 2>&1
+          --alone ${ALONE:-generator} --ahead $ah --json $out/poolbatch-$shape-$tag.json \
+          > $out/poolbatch-$shape-$tag.log 2>&1
         echo "pooled=$pl ahead=$ah exit $?" | tee -a $out/poolbatch-$shape.txt
         grep '^rep' $out/poolbatch-$shape-$tag.log | sed "s/^/pooled=$pl ahead=$ah /" | tee -a $out/poolbatch-$shape.txt
       done; done

@@ -88,7 +88,8 @@ class Scheduler:
         self._cv = threading.Condition()
         self._pending: list[_Pending] = []
         self._live = 0
-        self.pooled = PooledSteps(self, pool, keep_free, ahead) if pool else None  # the slot-major path (pooled_steps.py)
+        # the slot-major path (pooled_steps.py)
+        self.pooled = PooledSteps(self, pool, keep_free, ahead) if pool else None
         self._closed = False
         self._poked = False
         self.steps = stepping.Steps()  # sequences stepped in this scheduler's thread (Batch(stepping="one"))
