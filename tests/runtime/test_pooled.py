@@ -332,3 +332,36 @@ def test_steps_run_ahead_equal_steps_asked_for(loaded, data):
         else:
             assert (tokens, reason) == (want_tokens, want_reason), f"prompt {i}: {reason}, without {want_reason}"
     assert c.padded_rows >= c.ahead_dropped
+
+
+def test_a_step_run_ahead_that_fails_to_start_leaves_the_steps_as_asked(loaded, monkeypatch):
+    """Where queueing a step ahead fails (onnxruntime refusing the run), the sequences step as they ask instead:
+    the same tokens, and the next steps go ahead again."""
+    from snapspec.runtime import pooled_steps
+    from snapspec.runtime.runners.pooled import PooledRunner
+
+    t = loaded("lfm2")
+    ps = prompts(t.vocab_size, 2, seed=5)
+    args = (t, ps, [NEW, NEW], [0.0, 0.0], [None, None], [False, False])
+    want, _ = _serve_ahead(*args, ahead=False)
+    launch, ahead, seen = PooledRunner.launch, pooled_steps.PooledSteps.ahead, {"ahead": 0, "failed": 0, "in": False}
+
+    def counted(self, ran):
+        seen["in"] = True
+        try:
+            return ahead(self, ran)
+        finally:
+            seen["in"] = False
+
+    def flaky(self, calls, k, logits, busy=()):
+        if seen["in"]:
+            seen["ahead"] += 1
+            if seen["ahead"] == 5:  # mid-run, once
+                seen["failed"] += 1
+                raise RuntimeError("refused")
+        return launch(self, calls, k, logits, busy)
+
+    monkeypatch.setattr(pooled_steps.PooledSteps, "ahead", counted)
+    monkeypatch.setattr(PooledRunner, "launch", flaky)
+    got, c = _serve_ahead(*args, ahead=True)
+    assert seen["failed"] == 1 and got == want and c.ahead_forwards >= 5, (seen, c)

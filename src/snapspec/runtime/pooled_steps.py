@@ -28,6 +28,7 @@ for: the same graph, rows and inputs.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -40,6 +41,8 @@ from .device.stream import queued
 from .runners.batched import Call, aligned
 from .runners.pooled import Launched, PooledRunner, overwrote
 from .state.pool import StatePool
+
+log = logging.getLogger("snapspec")
 
 
 class PooledSteps:
@@ -136,7 +139,18 @@ class PooledSteps:
         calls = [Call(p.ctx, p.ctx.keys(), np.array((p.result,), dtype=np.int64), p.ctx.n_past, 1, False)
                  for p in ran]
         with self.lock:
-            launched = self.runner.launch(calls, parity(calls), False)
+            k = parity(calls)
+            try:
+                launched = self.runner.launch(calls, k, False)
+            except BaseException as exc:  # the lanes then ask for their steps as usual; nothing rests on this one
+                log.error("a pooled step run ahead failed to start (%s): stepping as asked", exc)
+                self.runner.stream.sync()
+                for c in calls:  # it may have written slot 1 - k of any row below the highest: as if it had run
+                    overwrote(c.ctx, k)
+                for ctx in self.pool.contexts[:self.pool.rows_for(max(c.ctx.pool_slot for c in calls) + 1)]:
+                    if all(ctx is not c.ctx for c in calls):
+                        overwrote(ctx, k)
+                return None
         return Ahead(ran, launched)
 
     def settle(self, ahead: Ahead, waiting: list) -> tuple[list, list]:
