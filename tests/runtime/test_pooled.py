@@ -197,6 +197,8 @@ def test_what_the_pool_refuses(loaded):
         s.close()
     with pytest.raises(SnapspecError, match="pooled and ahead are the scheduler's"):
         Batch(t, parallel=2, context=CONTEXT, scheduler=Scheduler(t), pooled=True)
+    with pytest.raises(SnapspecError, match="ahead runs pooled steps ahead: it needs a state pool"):
+        Batch(t, parallel=2, context=CONTEXT, pooled=False, ahead=True)
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

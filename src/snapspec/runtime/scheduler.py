@@ -76,6 +76,8 @@ class Scheduler:
             raise SnapspecError(f"graphs must be >= 0 rows, got {graphs}")
         if graphs and model.device not in ("cuda", "cpu"):
             raise SnapspecError(f"batched CUDA graphs run on cuda (or on cpu, uncaptured), not {model.device}")
+        if ahead and not pool:
+            raise SnapspecError("ahead runs pooled steps ahead: it needs a state pool (pool=N, Batch(pooled=True))")
         self.model = model
         self.graphs = int(graphs)
         self.patience = float(patience)
