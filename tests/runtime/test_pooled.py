@@ -201,80 +201,15 @@ def test_what_the_pool_refuses(loaded):
         Batch(t, parallel=2, context=CONTEXT, pooled=False, ahead=True)
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_lanes_equal_the_forwards_they_replace(loaded, data, monkeypatch):
-    """Plain greedy sequences stepped in the scheduler's thread hand their pooled steps over as Lanes
-    (pooled_steps.Lane), without Context.forward's layers. Under random arrivals, budgets, stops at the end of the
-    context and cancellations, every sequence's tokens equal the same prompt's on the forward path (threads: no
-    lanes), bit for bit, and Lanes took every plain step of the stepped run."""
-    from snapspec.runtime import pooled_steps
-
-    arch = data.draw(st.sampled_from(["qwen3_5", "lfm2", "mamba2"]), label="arch")
-    t = loaded(arch)
-    if batchable(t) is not None:
-        pytest.skip(f"not batchable: {batchable(t)}")
-    n = data.draw(st.integers(2, 5), label="prompts")
-    ps = prompts(t.vocab_size, n, seed=data.draw(st.integers(0, 99), label="seed"))
-    budgets = data.draw(st.lists(st.sampled_from([1, 2, 7, NEW, CONTEXT]), min_size=n, max_size=n), label="budgets")
-    delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01]), min_size=n, max_size=n), label="delays")
-    cancel_after = data.draw(st.lists(st.sampled_from([None, None, 2]), min_size=n, max_size=n), label="cancel")
-    steps = {"lane": 0}
-    ran = pooled_steps.Lane.ran
-
-    def counted(self, r):
-        steps["lane"] += 1
-        return ran(self, r)
-
-    monkeypatch.setattr(pooled_steps.Lane, "ran", counted)
-
-    def serve(stepping: str) -> dict[int, tuple[list[int], str]]:
-        out: dict[int, tuple[list[int], str]] = {}
-        with Batch(t, parallel=3, context=CONTEXT, pooled=True, stepping=stepping) as b:
-            def client(i: int) -> None:
-                time.sleep(delays[i])
-                seq = b.submit(ps[i], max_new_tokens=budgets[i], stop_at_eos=False)
-                got = []
-                for e in seq:
-                    got += e.tokens
-                    if cancel_after[i] is not None and len(got) >= cancel_after[i] and not e.done:
-                        seq.cancel()
-                    if e.done:
-                        out[i] = (got, e.stop_reason if e.error is None else f"error {e.error}")
-
-            threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join(timeout=120)
-        return out
-
-    lanes = serve("one")
-    taken = steps["lane"]
-    steps["lane"] = 0
-    forwards = serve("threads")
-    assert steps["lane"] == 0, "a sequence in a thread of its own took a lane"
-    for i in range(n):
-        got, reason = lanes[i]
-        want, want_reason = forwards[i]
-        assert not reason.startswith("error"), reason
-        if "cancelled" in (reason, want_reason):  # each stops where its cancel lands: one is a prefix of the other
-            short = min(len(got), len(want))
-            assert got[:short] == want[:short], f"prompt {i} (cancelled) parts from the forward path"
-        else:
-            assert (got, reason) == (want, want_reason), f"prompt {i}: lanes {reason}, forwards {want_reason}"
-    plain = sum(len(g) - 1 for g, r in lanes.values() if r != "cancelled")
-    assert taken >= plain, f"{taken} lane steps for {plain} plain steps"
-
-
-def _serve_ahead(t, ps, budgets, delays, cancel_after, sampled, ahead: bool):
-    """Each prompt's (tokens, stop reason) from a pooled Batch stepped in one thread, steps run ahead or not, and
-    the scheduler's counters."""
+def _serve(t, ps, budgets, delays, cancel_after, sampled=None, **batch):
+    """Each prompt's (tokens, stop reason) from a pooled Batch of 3 slots (`batch`: its other keywords), each prompt
+    sent by a client thread after its delay, cancelled after cancel_after[i] tokens where that is not None, sampled
+    with its own seed where sampled[i]; and the scheduler's counters."""
     out: dict[int, tuple[list[int], str]] = {}
-    with Batch(t, parallel=3, context=CONTEXT, pooled=True, stepping="one", ahead=ahead) as b:
+    with Batch(t, parallel=3, context=CONTEXT, pooled=True, **batch) as b:
         def client(i: int) -> None:
             time.sleep(delays[i])
-            sampling = SamplingParams(temperature=0.8, seed=i) if sampled[i] else SamplingParams()
+            sampling = SamplingParams(temperature=0.8, seed=i) if sampled and sampled[i] else SamplingParams()
             seq = b.submit(ps[i], max_new_tokens=budgets[i], stop_at_eos=False, sampling=sampling)
             got = []
             for e in seq:
@@ -292,15 +227,71 @@ def _serve_ahead(t, ps, budgets, delays, cancel_after, sampled, ahead: bool):
         return out, b.scheduler.counters
 
 
+def _drawn(loaded, data) -> tuple:
+    """A batchable tiny model of three architectures and 2..5 prompts with random arrivals, budgets (1 token to the
+    end of the context) and cancellations: _serve's first five arguments."""
+    arch = data.draw(st.sampled_from(["qwen3_5", "lfm2", "mamba2"]), label="arch")
+    t = loaded(arch)
+    if batchable(t) is not None:
+        pytest.skip(f"not batchable: {batchable(t)}")
+    n = data.draw(st.integers(2, 5), label="prompts")
+    ps = prompts(t.vocab_size, n, seed=data.draw(st.integers(0, 99), label="seed"))
+    budgets = data.draw(st.lists(st.sampled_from([1, 2, 7, NEW, CONTEXT]), min_size=n, max_size=n), label="budgets")
+    delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01]), min_size=n, max_size=n), label="delays")
+    cancel_after = data.draw(st.lists(st.sampled_from([None, None, 2]), min_size=n, max_size=n), label="cancel")
+    return t, ps, budgets, delays, cancel_after
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    """Every prompt's tokens and stop reason equal; where either run cancelled it, each stops where its cancel lands,
+    so one is a prefix of the other."""
+    for i in want:
+        (tokens, reason), (want_tokens, want_reason) = got[i], want[i]
+        assert not reason.startswith("error") and not want_reason.startswith("error"), (reason, want_reason)
+        if "cancelled" in (reason, want_reason):
+            short = min(len(tokens), len(want_tokens))
+            assert tokens[:short] == want_tokens[:short], f"prompt {i} (cancelled) parts from {what}"
+        else:
+            assert (tokens, reason) == (want_tokens, want_reason), f"prompt {i}: {reason}, {what} {want_reason}"
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_lanes_equal_the_forwards_they_replace(loaded, data, monkeypatch):
+    """Plain greedy sequences stepped in the scheduler's thread hand their pooled steps over as Lanes
+    (pooled_steps.Lane), without Context.forward's layers. Under random arrivals, budgets, stops at the end of the
+    context and cancellations, every sequence's tokens equal the same prompt's on the forward path (threads: no
+    lanes), bit for bit, and Lanes took every plain step of the stepped run."""
+    from snapspec.runtime import pooled_steps
+
+    args = _drawn(loaded, data)
+    steps = {"lane": 0}
+    ran = pooled_steps.Lane.ran
+
+    def counted(self, r):
+        steps["lane"] += 1
+        return ran(self, r)
+
+    monkeypatch.setattr(pooled_steps.Lane, "ran", counted)
+    lanes, _ = _serve(*args, stepping="one", ahead=False)
+    taken = steps["lane"]
+    steps["lane"] = 0
+    forwards, _ = _serve(*args, stepping="threads")
+    assert steps["lane"] == 0, "a sequence in a thread of its own took a lane"
+    _assert_same(lanes, forwards, "the forward path")
+    plain = sum(len(g) - 1 for g, r in lanes.values() if r != "cancelled")
+    assert taken >= plain, f"{taken} lane steps for {plain} plain steps"
+
+
 def test_steps_run_ahead_give_the_steps_asked_for(loaded):
     """Three plain greedy prompts together, the next pooled step queued before the sequences are resumed
     (pooled_steps.PooledSteps.ahead): the same tokens as without, most steps ran ahead, and the step run ahead of a
     sequence that stopped was dropped, not recorded on its context."""
     t = loaded("qwen3_5")
     ps = prompts(t.vocab_size, 3, seed=3)
-    args = (t, ps, [NEW, NEW - 3, 5], [0.0] * 3, [None] * 3, [False] * 3)
-    want, plain = _serve_ahead(*args, ahead=False)
-    got, c = _serve_ahead(*args, ahead=True)
+    args = (t, ps, [NEW, NEW - 3, 5], [0.0] * 3, [None] * 3)
+    want, plain = _serve(*args, stepping="one", ahead=False)
+    got, c = _serve(*args, stepping="one", ahead=True)
     assert got == want and all(reason == "length" for _, reason in got.values()), got
     assert plain.ahead_forwards == 0 and c.ahead_forwards >= NEW // 2, c
     assert c.ahead_dropped >= 1 and c.sequences == plain.sequences, (c, plain)
@@ -312,27 +303,12 @@ def test_steps_run_ahead_equal_steps_asked_for(loaded, data):
     """Under random arrivals, budgets (to the end of the context), cancellations and sampled sequences beside
     greedy ones (no step runs ahead while one runs), every sequence's tokens and stop reason equal the same run's
     without steps run ahead, bit for bit, on Qwen3.5, LFM2 and Mamba2."""
-    arch = data.draw(st.sampled_from(["qwen3_5", "lfm2", "mamba2"]), label="arch")
-    t = loaded(arch)
-    if batchable(t) is not None:
-        pytest.skip(f"not batchable: {batchable(t)}")
-    n = data.draw(st.integers(2, 5), label="prompts")
-    ps = prompts(t.vocab_size, n, seed=data.draw(st.integers(0, 99), label="seed"))
-    budgets = data.draw(st.lists(st.sampled_from([1, 2, 7, NEW, CONTEXT]), min_size=n, max_size=n), label="budgets")
-    delays = data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.01]), min_size=n, max_size=n), label="delays")
-    cancel_after = data.draw(st.lists(st.sampled_from([None, None, 2]), min_size=n, max_size=n), label="cancel")
+    args = _drawn(loaded, data)
+    n = len(args[1])
     sampled = data.draw(st.lists(st.sampled_from([False, False, True]), min_size=n, max_size=n), label="sampled")
-    args = (t, ps, budgets, delays, cancel_after, sampled)
-    want, _ = _serve_ahead(*args, ahead=False)
-    got, c = _serve_ahead(*args, ahead=True)
-    for i in range(n):
-        (tokens, reason), (want_tokens, want_reason) = got[i], want[i]
-        assert not reason.startswith("error") and not want_reason.startswith("error"), (reason, want_reason)
-        if "cancelled" in (reason, want_reason):  # each stops where its cancel lands: one is a prefix of the other
-            short = min(len(tokens), len(want_tokens))
-            assert tokens[:short] == want_tokens[:short], f"prompt {i} (cancelled) parts from the steps asked for"
-        else:
-            assert (tokens, reason) == (want_tokens, want_reason), f"prompt {i}: {reason}, without {want_reason}"
+    want, _ = _serve(*args, sampled, stepping="one", ahead=False)
+    got, c = _serve(*args, sampled, stepping="one", ahead=True)
+    _assert_same(got, want, "the steps asked for")
     assert c.padded_rows >= c.ahead_dropped
 
 
@@ -344,8 +320,8 @@ def test_a_step_run_ahead_that_fails_to_start_leaves_the_steps_as_asked(loaded, 
 
     t = loaded("lfm2")
     ps = prompts(t.vocab_size, 2, seed=5)
-    args = (t, ps, [NEW, NEW], [0.0, 0.0], [None, None], [False, False])
-    want, _ = _serve_ahead(*args, ahead=False)
+    args = (t, ps, [NEW, NEW], [0.0, 0.0], [None, None])
+    want, _ = _serve(*args, stepping="one", ahead=False)
     launch, ahead, seen = PooledRunner.launch, pooled_steps.PooledSteps.ahead, {"ahead": 0, "failed": 0, "in": False}
 
     def counted(self, ran):
@@ -365,5 +341,5 @@ def test_a_step_run_ahead_that_fails_to_start_leaves_the_steps_as_asked(loaded, 
 
     monkeypatch.setattr(pooled_steps.PooledSteps, "ahead", counted)
     monkeypatch.setattr(PooledRunner, "launch", flaky)
-    got, c = _serve_ahead(*args, ahead=True)
+    got, c = _serve(*args, stepping="one", ahead=True)
     assert seen["failed"] == 1 and got == want and c.ahead_forwards >= 5, (seen, c)
