@@ -245,8 +245,8 @@ def _drawn(loaded, data) -> tuple:
 def _assert_same(got: dict, want: dict, what: str) -> None:
     """Every prompt's tokens and stop reason equal; where either run cancelled it, each stops where its cancel lands,
     so one is a prefix of the other."""
-    for i in want:
-        (tokens, reason), (want_tokens, want_reason) = got[i], want[i]
+    for i, (want_tokens, want_reason) in want.items():
+        tokens, reason = got[i]
         assert not reason.startswith("error") and not want_reason.startswith("error"), (reason, want_reason)
         if "cancelled" in (reason, want_reason):
             short = min(len(tokens), len(want_tokens))

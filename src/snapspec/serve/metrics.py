@@ -138,8 +138,8 @@ class SchedulerCollector:
                  "(--cuda-graph)", c.captured_forwards),
                 ("pooled_forwards", "Plain steps of the running requests as one forward over the slots' state pool "
                  "(--pooled)", c.pooled_forwards),
-                ("ahead_forwards", "Of those, steps queued before their requests asked, run on the device while the "
-                 "host handled the last step's tokens", c.ahead_forwards),
+                ("ahead_forwards", ("Of those, steps queued before their requests asked, run on the device while "
+                                    "the host handled the last step's tokens"), c.ahead_forwards),
                 ("ahead_dropped_rows", "Rows of a step run ahead that their request did not take (it had stopped)",
                  c.ahead_dropped)):
             family = CounterMetricFamily(f"snapspec_batch_{name}", doc, labels=["model"])
