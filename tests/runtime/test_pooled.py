@@ -109,7 +109,8 @@ def test_a_free_slot_whose_state_a_pooled_step_overwrote_starts_empty(loaded):
 def test_pooled_steps_on_cuda(arch, tiny_export):
     """On CUDA (fp16, the forward graph with replay, batched CUDA graphs, where pooled steps are on by default): 5
     prompts on 3 slots, plain greedy, n-gram drafts and a drafter model's (each slot its own drafter context), every
-    token list equal to its run on one pooled slot, and the plain steps replayed as pooled CUDA graphs."""
+    token list equal to its run on one pooled slot, and the plain steps replayed as pooled CUDA graphs, run ahead of
+    the sequences' asking (the default there)."""
     from snapspec.runtime import load
     from snapspec.runtime.providers import available
 
@@ -124,8 +125,9 @@ def test_pooled_steps_on_cuda(arch, tiny_export):
             assert b.scheduler.pooled is not None  # the default on CUDA with graphs
             got = together(b, ps, **kw, **extra)
             counters = b.scheduler.counters
-        if drafter is None:
+        if drafter is None:  # steps run ahead too, the default on CUDA with graphs
             assert counters.pooled_forwards >= NEW - 1 and counters.captured_forwards >= counters.pooled_forwards
+            assert b.scheduler.pooled.run_ahead and counters.ahead_forwards > 0, counters
         with Batch(t, drafter, parallel=1, context=CONTEXT) as solo:
             for i, p in enumerate(ps):
                 assert got[i] == together(solo, [p], **kw, **extra)[0], f"{drafter}: prompt {i} differs alone"
