@@ -57,10 +57,13 @@ class Job:
 class Outbox:
     """What the jobs stepped in the scheduler's thread hand to the event loop (their tokens, their outcome), handed
     over once for the jobs of each forward (stepping.Steps.add_flush): one wake of the loop, one write to its
-    self-pipe, for all their tokens of a step, instead of one each. Only the scheduler's thread touches it."""
+    self-pipe, for all their tokens of a step, instead of one each; and none while the loop has not yet run the last
+    wake's calls: those then run with them (a wake is a syscall, after which the scheduler's thread waits for the
+    GIL that the woken loop holds). Only the scheduler's thread adds and flushes."""
 
     def __init__(self):
         self._calls: list[tuple] = []
+        self._handed: dict = {}  # loop -> _Handed: the calls handed over, which the loop runs in order
 
     def add(self, loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         self._calls.append((loop, fn, args))
@@ -69,20 +72,38 @@ class Outbox:
         if not self._calls:
             return
         calls, self._calls = self._calls, []
-        by_loop: dict = {}
+        touched = {}
         for loop, fn, args in calls:
-            by_loop.setdefault(loop, []).append((fn, args))
-        for loop, todo in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_run_all, todo)
-            except RuntimeError:  # the event loop has closed: nobody waits for them
-                pass
+            handed = self._handed.get(loop)
+            if handed is None:
+                handed = self._handed[loop] = _Handed()
+            handed.calls.append((fn, args))
+            touched[loop] = handed
+        for loop, handed in touched.items():
+            if not handed.woken:  # else the loop has yet to run them: they run with the calls already there
+                handed.woken = True
+                try:
+                    loop.call_soon_threadsafe(handed.run)
+                except RuntimeError:  # the event loop has closed: nobody waits for them
+                    handed.calls.clear()
+                    handed.woken = False
 
 
-def _run_all(calls: list) -> None:
-    """On the event loop: an Outbox's calls, in order."""
-    for fn, args in calls:
-        fn(*args)
+class _Handed:
+    """One event loop's calls from an Outbox. `woken` is cleared before the loop takes the calls, so a call added
+    after it wakes the loop again, and one added before it is among those taken."""
+
+    def __init__(self):
+        self.calls: deque = deque()
+        self.woken = False
+
+    def run(self) -> None:
+        """On the event loop: every call handed over so far, in order."""
+        self.woken = False
+        calls = self.calls
+        while calls:
+            fn, args = calls.popleft()
+            fn(*args)
 
 
 class Worker(lifecycle.Admission):
