@@ -151,7 +151,7 @@ PY
         for pl in ${SERVE_POOLED:-on off}; do  # SERVE_POOLED="on:on on:off": --pooled on, --ahead on | off
           timeout 280 python3 benchmarks/serve_parallel.py concurrent --target /tmp/gc/x-$shape --parallel 16 \
             --clients 16 --requests ${SERVE_REQUESTS:-2} --max-tokens ${SERVE_TOKENS:-128} --prompts $c2/prompts.jsonl \
-            --server-args="--ep cuda --cuda-graph 1 --pooled ${pl%%:*} --ahead $([ "${pl#*:}" = $pl ] && echo auto ||
+            --client-processes ${SERVE_CLIENT_PROCS:-1} --server-args="--ep cuda --cuda-graph 1 --pooled ${pl%%:*} --ahead $([ "${pl#*:}" = $pl ] && echo auto ||
               echo ${pl#*:}) --cache-ram 0" \
             --out $out/servepool-$shape-$pl-$rep.json 2>&1 | tail -4 | sed "s/^/pooled=$pl /" | tee -a $out/servepool-$shape.txt
         done
