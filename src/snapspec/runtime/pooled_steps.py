@@ -111,14 +111,7 @@ class PooledSteps:
                 p.ran(r)
             else:
                 p.result, r.keys = r, p.call.keys
-        c = self.scheduler.counters
-        c.forwards += 1
-        c.pooled_forwards += 1
-        c.captured_forwards += runner.graphs is not None
-        c.batched_forwards += len(group) > 1
-        c.rows += n
-        c.padded_rows += n - len(calls)
-        c.sequences += len(group)
+        self._count(n, len(calls), len(calls))
 
     def ahead(self, ran: list) -> Ahead | None:
         """Queue the next step of the sequences whose pooled step just ran, before they are resumed: where every
@@ -136,8 +129,11 @@ class PooledSteps:
         if len(slots) < len(ran) or not set(self.busy) <= slots or \
                 any(p.ctx.vacant or p.ctx.n_past >= p.ctx.max_len for p in ran):
             return None
-        calls = [Call(p.ctx, p.ctx.keys(), np.array((p.result,), dtype=np.int64), p.ctx.n_past, 1, False)
-                 for p in ran]
+        calls = []
+        for p in ran:  # each lane's own Call for it, as for its steps (no objects made per step)
+            c = p.next
+            c.ids[0], c.keys, c.start = p.result, p.ctx.keys(), p.ctx.n_past
+            calls.append(c)
         with self.lock:
             k = parity(calls)
             try:
@@ -164,7 +160,8 @@ class PooledSteps:
         except BaseException as exc:  # every lane that waits for it hears of it
             mine = [p for p in ahead.lanes if id(p) in asked]
             settle(mine, exc, "pooled")
-            return mine, [p for p in waiting if not any(p is q for q in mine)]
+            failed = {id(p) for p in mine}
+            return mine, [p for p in waiting if id(p) not in failed]
         took = []
         for lane, call, r in zip(ahead.lanes, launched.calls, results):
             mine = lane.call
@@ -174,17 +171,23 @@ class PooledSteps:
                 took.append(lane)
             else:
                 overwrote(lane.ctx, launched.k)
+        self._count(launched.n, len(launched.calls), len(took), ahead=True)
+        done = {id(p) for p in took}
+        return took, [p for p in waiting if id(p) not in done]
+
+    def _count(self, rows: int, calls: int, took: int, ahead: bool = False) -> None:
+        """A pooled step in the scheduler's counters: its rows, its calls and the sequences that took their row (a
+        step run ahead: those that asked for it; the rest of its calls were dropped)."""
         c = self.scheduler.counters
         c.forwards += 1
         c.pooled_forwards += 1
-        c.ahead_forwards += 1
-        c.captured_forwards += runner.graphs is not None
-        c.batched_forwards += len(launched.calls) > 1
-        c.rows += launched.n
-        c.padded_rows += launched.n - len(took)
-        c.ahead_dropped += len(launched.calls) - len(took)
-        c.sequences += len(took)
-        return took, [p for p in waiting if not any(p is q for q in took)]
+        c.ahead_forwards += ahead
+        c.captured_forwards += self.runner.graphs is not None
+        c.batched_forwards += calls > 1
+        c.rows += rows
+        c.padded_rows += rows - took
+        c.ahead_dropped += calls - took
+        c.sequences += took
 
     def lane(self, ctx) -> Lane | None:
         """ctx's plain steps as a Lane where they always run pooled (`plain`, the one rule for both); else None."""
@@ -228,6 +231,7 @@ class Lane:
             raise SnapspecError("a lane starts on a context that holds its sequence")
         self.ctx = ctx
         self.call = Call(ctx, (), np.zeros(1, np.int64), 0, 1, False)
+        self.next = Call(ctx, (), np.zeros(1, np.int64), 0, 1, False)  # the step run ahead (PooledSteps.ahead)
         self.result: int | None = None
         self.error: BaseException | None = None
         self.stepper = None
