@@ -8,6 +8,7 @@ its sampling are the ones a sequence alone runs. The scheduler waits until every
 forward pending (or `patience` has passed since the first; with a state pool, no patience), then runs them:
 
 - with a state pool (pool=N: pooled_steps.py), the one-token steps first, as one forward of the export's graph;
+  where they are all plain greedy lanes, the next such step is queued before their Python runs (`ahead`);
 - calls of a few tokens (one-token steps, verifies of up to the rollback window) run as one forward, padded on the
   right to the longest (runners/batched.py). A padded row is a rejected draft to its sequence: its context rolls it
   back (replay for the recurrent state, a shorter mask for KV). A context that cannot roll back inside one forward
