@@ -42,6 +42,8 @@
 #   scripts/gpu/gpu_check_remote.sh servepool C2 OUT snapspec serve --parallel 16 --cuda-graph 1, pooled steps on and
 #                                                     off (benchmarks/serve_parallel.py concurrent: 16 clients x 2
 #                                                     requests, and the same one at a time before and after), twice
+#                                                     (SERVE_HTTP="fast plain": each with httptools + uvloop, then
+#                                                     with h11 + asyncio; SERVE_CLIENT_PROCS, SERVE_REQUESTS)
 #   scripts/gpu/gpu_check_remote.sh rollbackab C2 OUT one sequence, n-gram drafts k=3 and plain (snapspec bench,
 #                                                     --cuda-graph 9): the state-window graph against replay, twice
 #   scripts/gpu/gpu_check_remote.sh cpu C2 OUT [SRC]  the int4 exactness probe (snapspec.runtime.exactness) on this
@@ -147,13 +149,20 @@ PY
       continue
     fi
     if [ $cmd = servepool ]; then  # snapspec serve --parallel 16 with pooled steps on and off, alternating twice
+      mkdir -p $G/plain-http/uvloop $G/plain-http/httptools  # SERVE_HTTP="fast plain": plain hides both from uvicorn
+      echo 'raise ImportError("the plain HTTP stack: h11 and asyncio")' > $G/plain-http/uvloop/__init__.py
+      cp $G/plain-http/uvloop/__init__.py $G/plain-http/httptools/
       for rep in 1 2; do
         for pl in ${SERVE_POOLED:-on off}; do  # SERVE_POOLED="on:on on:off": --pooled on, --ahead on | off
+         for http in ${SERVE_HTTP:-fast}; do
+          PYTHONPATH=$([ $http = plain ] && echo $G/plain-http:)$PYTHONPATH \
           timeout 280 python3 benchmarks/serve_parallel.py concurrent --target /tmp/gc/x-$shape --parallel 16 \
             --clients 16 --requests ${SERVE_REQUESTS:-2} --max-tokens ${SERVE_TOKENS:-128} --prompts $c2/prompts.jsonl \
             --client-processes ${SERVE_CLIENT_PROCS:-1} --server-args="--ep cuda --cuda-graph 1 --pooled ${pl%%:*} --ahead $([ "${pl#*:}" = $pl ] && echo auto ||
               echo ${pl#*:}) --cache-ram 0" \
-            --out $out/servepool-$shape-$pl-$rep.json 2>&1 | tail -4 | sed "s/^/pooled=$pl /" | tee -a $out/servepool-$shape.txt
+            --out $out/servepool-$shape-$pl-$http-$rep.json 2>&1 | tail -4 | sed "s/^/pooled=$pl http=$http /" |
+            tee -a $out/servepool-$shape.txt
+         done
         done
       done
       continue

@@ -8,7 +8,10 @@ timeout the running generation stops at its next step with a clean end (finish_r
 "shutdown", `data: [DONE]` on a stream) and each waiting request gets a 503. A second signal ends the drain at once
 the same way. The process then exits by the signal, as uvicorn does.
 
-Slow clients. uvicorn (h11) waits for a request's headers without a deadline; a client that sends them a byte at a
+HTTP. uvicorn speaks it with httptools' parser on uvloop's event loop where the serve extra installed them (uvloop
+has no Windows build), else with h11 and asyncio (`http_protocol`; uvicorn's "auto" loop).
+
+Slow clients. uvicorn waits for a request's headers without a deadline; a client that sends them a byte at a
 time would hold its connection for ever. Headers must arrive within HEADER_SECONDS of a connection's first byte (or of
 the previous response on a kept-alive connection), or the connection is closed.
 """
@@ -206,11 +209,19 @@ def make_server(config, drain_args):
     return DrainingServer(config)
 
 
-def header_deadline_protocol(seconds: float = HEADER_SECONDS):
-    """uvicorn's h11 protocol with a deadline for each request's headers."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def http_protocol():
+    """uvicorn's HTTP/1.1 protocol class: httptools' (its C parser) where installed, else h11's (pure Python)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        return HttpToolsProtocol
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+        return H11Protocol
 
-    class HeaderDeadline(H11Protocol):
+
+def header_deadline_protocol(seconds: float = HEADER_SECONDS, base=None):
+    """uvicorn's HTTP protocol (http_protocol(), or `base`) with a deadline for each request's headers."""
+    class HeaderDeadline(base or http_protocol()):
         _deadline = None
 
         def connection_made(self, transport) -> None:
