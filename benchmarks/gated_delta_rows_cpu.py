@@ -3,7 +3,7 @@ com.microsoft, as the export runs it) over a layer stack at batch 1..B, against 
 ops (Mul by the decay, MatMul for k.S and the outer product, Add), random inputs.
 
     python benchmarks/gated_delta_rows_cpu.py --shape 0.8b --rows 1,2,4 --threads 2 \
-        --json benchmarks/results/cpu/gated-delta-rows-avx2.json
+        --json benchmarks/results/cpu/gated-delta-rows-epyc-avx2.json
 
 Each row carries its own recurrent state ([heads, dk, dv] float32 a layer: 1 MiB at the Qwen3.5-0.8B shape, 18 linear
 layers), which a step reads and writes whole, so unlike the weights' MatMuls this part of a batched step grows with
