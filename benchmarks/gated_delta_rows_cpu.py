@@ -28,7 +28,9 @@ SHAPES = {"0.8b": (16, 128, 18), "4b": (32, 128, 24), "pair-a": (4, 64, 6)}  # v
 
 
 def graph(heads: int, dim: int, layers: int, rows: int, standard: bool) -> bytes:
-    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
 
     nodes, inputs, outputs = [], [], []
     for i in range(layers):
@@ -105,8 +107,10 @@ def main(argv=None) -> int:
         for r in results[-2:]:
             print(json.dumps(r), flush=True)
     if a.json is not None:
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   platform.processor()) if sys.platform.startswith("linux") else platform.processor()
+        cpu = platform.processor()
+        if sys.platform.startswith("linux"):
+            lines = Path("/proc/cpuinfo").read_text().splitlines()
+            cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
         a.json.write_text(json.dumps({"shape": a.shape, "threads": a.threads, "cpu": cpu,
                                       "onnxruntime": ort.__version__, "results": results}, indent=1) + "\n")
     return 0

@@ -73,7 +73,7 @@ def _closed_within(s: socket.socket, seconds: float) -> bool:
             try:
                 if s.recv(1024) == b"":
                     return True
-            except socket.timeout:
+            except TimeoutError:
                 continue
     except (BrokenPipeError, ConnectionResetError):
         return True
