@@ -47,10 +47,13 @@ def graph(heads: int, dim: int, layers: int, rows: int, standard: bool) -> bytes
             nodes += [h.make_node("Exp", [g], [f"e{i}"]), h.make_node("Reshape", [f"e{i}", "gates"], [f"eg{i}"]),
                       h.make_node("Reshape", [b, "gates"], [f"bg{i}"]), h.make_node("Mul", [s, f"eg{i}"], [f"sd{i}"]),
                       h.make_node("MatMul", [f"{k}h", f"sd{i}"], [f"ks{i}"]),
-                      h.make_node("Sub", [f"{v}h", f"ks{i}"], [f"r{i}"]), h.make_node("Mul", [f"r{i}", f"bg{i}"], [f"d{i}"]),
+                      h.make_node("Sub", [f"{v}h", f"ks{i}"], [f"r{i}"]),
+                      h.make_node("Mul", [f"r{i}", f"bg{i}"], [f"d{i}"]),
                       h.make_node("Transpose", [f"{k}h"], [f"kt{i}"], perm=[0, 1, 3, 2]),
-                      h.make_node("MatMul", [f"kt{i}", f"d{i}"], [f"u{i}"]), h.make_node("Add", [f"sd{i}", f"u{i}"], [f"p{i}"]),
-                      h.make_node("MatMul", [f"{q}h", f"p{i}"], [f"oq{i}"]), h.make_node("Mul", [f"oq{i}", "scale"], [f"os{i}"]),
+                      h.make_node("MatMul", [f"kt{i}", f"d{i}"], [f"u{i}"]),
+                      h.make_node("Add", [f"sd{i}", f"u{i}"], [f"p{i}"]),
+                      h.make_node("MatMul", [f"{q}h", f"p{i}"], [f"oq{i}"]),
+                      h.make_node("Mul", [f"oq{i}", "scale"], [f"os{i}"]),
                       h.make_node("Reshape", [f"os{i}", "flat"], [f"o{i}"])]
         outputs += [h.make_tensor_value_info(f"o{i}", T.FLOAT, None), h.make_tensor_value_info(f"p{i}", T.FLOAT, None)]
     inits = [] if not standard else [
