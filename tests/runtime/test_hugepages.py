@@ -95,7 +95,8 @@ def test_windows_written_while_loading_are_collapsed_before_it_returns():
     machine running other tests beside) the kernel may refuse a window's last try with EAGAIN or ENOMEM; such a
     window must be recorded in _refused with that errno, and every other window collapsed. In a fresh process: a
     test worker's memory from earlier tests (models, up to gigabytes, and their threads) is not this test's to sweep,
-    and once left a window of the test's arrays neither collapsed nor recorded there (a fresh-clone CI run, 2026-12-06)."""
+    and once left a window of the test's arrays neither collapsed nor recorded there (a fresh-clone CI run,
+    2026-12-06)."""
     out = subprocess.run([sys.executable, "-c", _WHILE_LOADING], capture_output=True, text=True, timeout=120,
                          check=False)
     assert out.returncode == 0, out.stderr[-3000:]
