@@ -316,15 +316,19 @@ def test_steps_run_ahead_equal_steps_asked_for(loaded, data):
 
 def test_a_step_run_ahead_that_fails_to_start_leaves_the_steps_as_asked(loaded, monkeypatch):
     """Where queueing a step ahead fails (onnxruntime refusing the run), the sequences step as they ask instead:
-    the same tokens, and the next steps go ahead again."""
+    the same tokens, and the next steps go ahead again. The runner records the failed step's rows as overwritten
+    (runners/pooled.overwrote), as for a step that ran."""
+    import onnxruntime as ort
+
     from snapspec.runtime import pooled_steps
-    from snapspec.runtime.runners.pooled import PooledRunner
+    from snapspec.runtime.runners import pooled
 
     t = loaded("lfm2")
     ps = prompts(t.vocab_size, 2, seed=5)
     args = (t, ps, [NEW, NEW], [0.0, 0.0], [None, None])
     want, _ = _serve(*args, stepping="one", ahead=False)
-    launch, ahead, seen = PooledRunner.launch, pooled_steps.PooledSteps.ahead, {"ahead": 0, "failed": 0, "in": False}
+    run, ahead, record = ort.InferenceSession.run_with_iobinding, pooled_steps.PooledSteps.ahead, pooled.overwrote
+    seen = {"ahead": 0, "failed": 0, "in": False, "recorded": 0}
 
     def counted(self, ran):
         seen["in"] = True
@@ -333,15 +337,21 @@ def test_a_step_run_ahead_that_fails_to_start_leaves_the_steps_as_asked(loaded, 
         finally:
             seen["in"] = False
 
-    def flaky(self, calls, k, logits, busy=()):
+    def flaky(self, *a):
         if seen["in"]:
             seen["ahead"] += 1
             if seen["ahead"] == 5:  # mid-run, once
                 seen["failed"] += 1
                 raise RuntimeError("refused")
-        return launch(self, calls, k, logits, busy)
+        return run(self, *a)
+
+    def recorded(ctx, k):
+        seen["recorded"] += seen["in"]
+        return record(ctx, k)
 
     monkeypatch.setattr(pooled_steps.PooledSteps, "ahead", counted)
-    monkeypatch.setattr(PooledRunner, "launch", flaky)
+    monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", flaky)
+    monkeypatch.setattr(pooled, "overwrote", recorded)
     got, c = _serve(*args, stepping="one", ahead=True)
     assert seen["failed"] == 1 and got == want and c.ahead_forwards >= 5, (seen, c)
+    assert seen["recorded"] >= 2, seen  # both sequences' rows, on the failed launch

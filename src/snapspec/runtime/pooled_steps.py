@@ -135,17 +135,10 @@ class PooledSteps:
             c.ids[0], c.keys, c.start = p.result, p.ctx.keys(), p.ctx.n_past
             calls.append(c)
         with self.lock:
-            k = parity(calls)
             try:
-                launched = self.runner.launch(calls, k, False)
-            except BaseException as exc:  # the lanes then ask for their steps as usual; nothing rests on this one
+                launched = self.runner.launch(calls, parity(calls), False)
+            except BaseException as exc:  # the runner recorded the rows it may have written; the lanes step as asked
                 log.error("a pooled step run ahead failed to start (%s): stepping as asked", exc)
-                self.runner.stream.sync()
-                for c in calls:  # it may have written slot 1 - k of any row below the highest: as if it had run
-                    overwrote(c.ctx, k)
-                for ctx in self.pool.contexts[:self.pool.rows_for(max(c.ctx.pool_slot for c in calls) + 1)]:
-                    if all(ctx is not c.ctx for c in calls):
-                        overwrote(ctx, k)
                 return None
         return Ahead(ran, launched)
 

@@ -92,38 +92,45 @@ class PooledRunner:
     def launch(self, calls: list[Call], k: int, logits: bool, busy: list[Call] = ()) -> Launched:
         """forward's step, queued: on CUDA with graphs it returns once the replay is queued on the model's stream
         (a step run ahead, pooled_steps.PooledSteps.ahead, runs while the host resumes the sequences); elsewhere
-        it has run. `finish` waits for it and returns the results."""
+        it has run. `finish` waits for it and returns the results. A launch that fails records its rows as
+        overwritten (`overwrote`: the calls' and the idle ones') before it raises."""
         pool = self.pool
         by_slot = {c.ctx.pool_slot: c for c in calls}
         running = {c.ctx.pool_slot for c in busy}
         n = pool.rows_for(max(by_slot) + 1)
         idle = [pool.contexts[i] for i in range(min(n, len(pool.contexts))) if i not in by_slot and i not in running]
-        kept = [ctx for ctx in idle if pool.keep_free and ctx.recurrent is not None and not ctx.vacant]
-        for ctx in kept:
-            if ctx.recurrent.cur != k:
-                ctx.recurrent.flip()
-        ids, starts = [0] * n, [0] * n
-        for i, c in by_slot.items():
-            ids[i], starts[i] = int(c.ids[0]), c.start
-        for i in range(n):
-            if i not in by_slot:  # an idle slot writes its KV row at its own position (its spare row at the end)
-                past = pool.contexts[i].n_past if i < len(pool.contexts) else 0
-                starts[i] = min(past, (pool.kv_rows or past + 1) - 1)
-        front, seqlens, _ = self._buffers(n)
-        staged = self.stream.staging(2 * n)
-        staged[:] = ids + starts
-        self.stream.h2d(front.data_ptr(), staged)
-        if self.attention:
-            lengths = self.stream.staging(n, np.int32)
-            lengths[:] = starts  # seqlens_k: the rows before the new one (no spare row)
-            self.stream.h2d(seqlens.data_ptr(), lengths)
-            if self.graphs is None:
-                self._total[...] = max(starts) + 1
-        step = self._step(n, k, logits)
-        if step.options is not None:
-            self.session.run_with_iobinding(step.binding, step.options)
-        else:
-            self.session.run_with_iobinding(step.binding)
+        try:
+            kept = [ctx for ctx in idle if pool.keep_free and ctx.recurrent is not None and not ctx.vacant]
+            for ctx in kept:
+                if ctx.recurrent.cur != k:
+                    ctx.recurrent.flip()
+            ids, starts = [0] * n, [0] * n
+            for i, c in by_slot.items():
+                ids[i], starts[i] = int(c.ids[0]), c.start
+            for i in range(n):
+                if i not in by_slot:  # an idle slot writes its KV row at its own position (its spare row at the end)
+                    past = pool.contexts[i].n_past if i < len(pool.contexts) else 0
+                    starts[i] = min(past, (pool.kv_rows or past + 1) - 1)
+            front, seqlens, _ = self._buffers(n)
+            staged = self.stream.staging(2 * n)
+            staged[:] = ids + starts
+            self.stream.h2d(front.data_ptr(), staged)
+            if self.attention:
+                lengths = self.stream.staging(n, np.int32)
+                lengths[:] = starts  # seqlens_k: the rows before the new one (no spare row)
+                self.stream.h2d(seqlens.data_ptr(), lengths)
+                if self.graphs is None:
+                    self._total[...] = max(starts) + 1
+            step = self._step(n, k, logits)
+            if step.options is not None:
+                self.session.run_with_iobinding(step.binding, step.options)
+            else:
+                self.session.run_with_iobinding(step.binding)
+        except BaseException:  # it may have written slot 1 - k of any of its rows: recorded as if it had run
+            self.stream.sync()
+            for ctx in [c.ctx for c in calls] + idle:
+                overwrote(ctx, k)
+            raise
         return Launched(calls, k, n, idle, step, logits)
 
     def finish(self, run: Launched) -> list[Result]:
