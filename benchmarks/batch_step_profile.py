@@ -45,6 +45,7 @@ def main(argv=None) -> int:
 
     import onnxruntime as ort
 
+    from snapspec.cli.options import auto_on_off
     from snapspec.runtime import load
     from snapspec.runtime.batch import Batch
     from snapspec.runtime.device.stream import CudaStream
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     for n in sizes:
         prompts = [target.encode(texts[i % len(texts)]) for i in range(n)]
         batch = Batch(target, None, parallel=n, context=max(map(len, prompts)) + a.new + 16, stepping=a.stepping,
-                      graphs=a.graphs, pooled=a.pooled == "on", ahead={"auto": None, "on": True, "off": False}[a.ahead])
+                      graphs=a.graphs, pooled=a.pooled == "on", ahead=auto_on_off(a.ahead))
         kw = dict(max_new_tokens=a.new, stop_at_eos=False)
         batch.generate(prompts, **kw)  # every graph made, every buffer touched
         calls.clear()

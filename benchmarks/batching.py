@@ -75,6 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
 
+    from snapspec.cli.options import auto_on_off
     from snapspec.runtime import Generator, Pair, load
     from snapspec.runtime.batch import Batch
     from snapspec.runtime.scheduler import Scheduler
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         kw["draft_max"] = draft_max
 
     pair = Pair(target, drafter, length=context)
-    ahead = {"auto": None, "on": True, "off": False}[a.ahead]
+    ahead = auto_on_off(a.ahead)
     scheduler = Scheduler(target, heads=a.head_batching == "on", graphs=a.graphs,
                           pool=a.parallel if a.pooled == "on" else 0, ahead=ahead)
     batch = Batch(target, drafter, parallel=a.parallel, context=context, scheduler=scheduler, stepping=a.stepping)

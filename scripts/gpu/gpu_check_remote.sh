@@ -152,6 +152,8 @@ PY
       mkdir -p $G/plain-http/uvloop $G/plain-http/httptools  # SERVE_HTTP="fast plain": plain hides both from uvicorn
       echo 'raise ImportError("the plain HTTP stack: h11 and asyncio")' > $G/plain-http/uvloop/__init__.py
       cp $G/plain-http/uvloop/__init__.py $G/plain-http/httptools/
+      case " ${SERVE_HTTP:-fast} " in *" fast "*) python3 -c "import httptools, uvloop" ||
+        { echo "SERVE_HTTP=fast: C2's wheels need httptools and uvloop for this Python"; exit 1; };; esac
       for rep in 1 2; do
         for pl in ${SERVE_POOLED:-on off}; do  # SERVE_POOLED="on:on on:off": --pooled on, --ahead on | off
          for http in ${SERVE_HTTP:-fast}; do

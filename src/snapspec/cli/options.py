@@ -72,6 +72,11 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 <
                "tb": 10 ** 12}
 
 
+def auto_on_off(value: str) -> bool | None:
+    """An "auto" | "on" | "off" flag's value as the runtime takes it: None (its own choice), True, False."""
+    return {"auto": None, "on": True, "off": False}[value]
+
+
 def byte_size(value: str) -> int:
     """A size in bytes (serve's --cache-ram): a count of bytes, or a number with a unit: KiB/MiB/GiB/TiB (and K, M, G,
     T alone) in powers of 1024, KB/MB/GB/TB in powers of 1000; case and spaces do not matter. 0 is a size."""

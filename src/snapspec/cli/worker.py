@@ -18,7 +18,7 @@ from snapspec.serve import lifecycle
 
 from . import openai_api as api
 from . import openai_tools
-from .options import drafter_label
+from .options import auto_on_off, drafter_label
 
 SCHEDULING = "one request at a time per model, first come first served, from a queue"
 # --parallel auto: slots when the model can run sequences in one forward (runtime/scheduler.py: batchable). 4 is
@@ -151,7 +151,7 @@ class Worker(lifecycle.Admission):
                 raise SnapspecError("--ahead on runs pooled steps ahead: it needs --pooled on (or auto with CUDA "
                                     "graphs)")
             self.scheduler = Scheduler(target, pool=self.parallel if on else 0, keep_free=True,
-                                       ahead={"auto": None, "on": True, "off": False}[ahead])
+                                       ahead=auto_on_off(ahead))
             sharing = SharedForwards(lambda: self.scheduler.live)
             for slot in self.slots:
                 self.scheduler.attach(slot.tctx, slot.drafter)  # an MTP head's forwards too
